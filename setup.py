@@ -1,0 +1,35 @@
+"""StableDRL-JAX: stable RL post-training for diffusion language models."""
+
+import setuptools
+
+setuptools.setup(
+    name="stabledrl_jax",
+    version="0.1.0",
+    description="StableDRL in JAX/Flax: stable reinforcement learning for masked diffusion language models.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=setuptools.find_packages(include=["stabledrl_jax", "stabledrl_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "chex>=0.1.90",
+        "ml_collections>=1.0",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "tqdm>=4.66",
+        "tensorboardX>=2.6",
+        "math-verify>=0.7",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+        ],
+    },
+)
