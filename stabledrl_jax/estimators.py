@@ -1,0 +1,503 @@
+"""Sequence log-likelihood estimators for masked diffusion LMs.
+
+The likelihood log pi(y | x) of a masked diffusion LM is intractable; it is
+estimated from forward passes on partially masked copies of z = [x; y]. Every
+estimator here is model-agnostic: it takes ``logits_fn(tokens [B, L]) ->
+logits [B, L, V]`` (bidirectional) and explicit PRNG keys, and is a pure,
+jit-able function with static shapes.
+
+An estimate is made in two steps, so that masks can be shared between the
+numerator and the denominator of a ratio, or replaced (stress test):
+
+1. ``sample_masks``: K Monte Carlo masks per sequence, as a :class:`MaskSample`
+   (which positions are noised, which are scored, and with what weight).
+2. ``estimate_from_masks``: one forward pass over all K * B noised rows, then a
+   weighted sum of the scored token log-probs.
+
+``estimate_logp`` does both. Methods (SPEC section 4):
+
+* ``mean_field`` (d1): the whole completion masked; prompt tokens masked with
+  probability ``prompt_mask_prob`` (0.15). Exact for a model whose logits ignore
+  the input.
+* ``elbo``: t ~ U(0, 1], stratified over the K samples. Sum form (LLaDA):
+  ``(1/t) sum_{masked} log p(y_i | z_t)``; mean form: the mean over masked
+  tokens. ``schedule="bernoulli"`` masks each completion token with
+  probability t, conditioned on at least one mask (the weight
+  ``(1 - (1 - t)^L) / t`` keeps the sum form an unbiased ELBO estimate);
+  ``schedule="count"`` masks exactly ``m = ceil(t L)`` tokens with weight
+  ``L / m``. ``coupled=True`` adds the complementary mask of each sample.
+* ``block_random`` (SPG): a random block of ``block_length`` completion tokens;
+  earlier blocks clean, later blocks masked and not scored; a uniform count in
+  [1, block size] masked inside the block.
+
+``eubo_from_samples`` turns the same token log-probs into SPG's upper bound
+EUBO_beta, and ``stress_masks`` builds the importance-weight-explosion masks
+of SPEC section 5.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+LogitsFn = Callable[[Array], Array]
+
+
+@flax.struct.dataclass
+class MaskSample:
+  """R mask rows for a batch of B sequences of length L (R = K, or 2K coupled).
+
+  Attributes:
+    noisy: [R, B, L] bool, positions replaced by the mask token.
+    scored: [R, B, L] bool, positions whose log-prob enters the estimate.
+    sum_scale: [R, B] weight of each row's summed scored log-probs in the
+      sum-form estimate (includes the 1/K of the Monte Carlo average).
+    mean_scale: [R, B] the same for the length-normalized (mean) form.
+    rate: [R, B] t_hat, the row's mask rate: the masked fraction of the
+      completion (``m / L``) for ELBO rows, 1 for mean-field rows, and
+      ``m / (num_blocks * block size)`` for block_random rows, so that
+      ``1[scored] / t_hat`` has expectation 1 for every token.
+  """
+
+  noisy: Array
+  scored: Array
+  sum_scale: Array
+  mean_scale: Array
+  rate: Array
+
+  @property
+  def num_rows(self) -> int:
+    return self.noisy.shape[0]
+
+
+@flax.struct.dataclass
+class Estimate:
+  """An estimate with what it was made from.
+
+  Attributes:
+    value: [B] log-likelihood estimate, one per sequence.
+    token_logp: [R, B, L] log p(z_i | noised row) at every position.
+    masks: the :class:`MaskSample` used.
+  """
+
+  value: Array
+  token_logp: Array
+  masks: MaskSample
+
+
+# ---------------------------------------------------------------------------
+# Small mask utilities.
+# ---------------------------------------------------------------------------
+
+
+def _check_masks(tokens: Array, prompt_mask: Array, completion_mask: Array) -> None:
+  chex.assert_rank(tokens, 2)
+  chex.assert_shape([prompt_mask, completion_mask], tokens.shape)
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
+
+
+def _completion_rank(completion_mask: Array) -> Array:
+  """[B, L] rank of each completion token among the completion (0-based); -1 elsewhere."""
+  rank = jnp.cumsum(completion_mask.astype(jnp.int32), axis=-1) - 1
+  return jnp.where(completion_mask, rank, -1)
+
+
+def _mask_prompt(key: Array, prompt_mask: Array, num_rows: int, prob: float) -> Array:
+  """[R, B, L] bool: each prompt token masked independently with ``prob``."""
+  if not 0.0 <= prob <= 1.0:
+    raise ValueError(f"prompt_mask_prob must lie in [0, 1], got {prob}.")
+  if prob == 0.0:
+    return jnp.zeros((num_rows,) + prompt_mask.shape, dtype=bool)
+  draws = jax.random.bernoulli(key, prob, (num_rows,) + prompt_mask.shape)
+  return draws & prompt_mask[None]
+
+
+def _random_subset(key: Array, eligible: Array, count: Array) -> Array:
+  """Exactly ``min(count, #eligible)`` uniformly chosen eligible positions.
+
+  Args:
+    key: PRNG key.
+    eligible: [..., L] bool.
+    count: [...] int.
+
+  Returns:
+    [..., L] bool.
+  """
+  priority = jnp.where(eligible, jax.random.uniform(key, eligible.shape), 2.0)
+  order = jnp.argsort(jnp.argsort(priority, axis=-1), axis=-1)
+  return eligible & (order < count[..., None])
+
+
+def _stratified_times(key: Array, num_samples: int, batch: int) -> Array:
+  """[K, B] t in (k/K, (k+1)/K] for sample k: stratified U(0, 1]."""
+  u = jax.random.uniform(key, (num_samples, batch))
+  return (jnp.arange(num_samples, dtype=jnp.float32)[:, None] + 1.0 - u) / num_samples
+
+
+def _safe_div(num: Array, den: Array) -> Array:
+  """num / den, 0 where den == 0 (empty completions score nothing)."""
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Mask samplers, one per method: (key, prompt_mask, completion_mask, K, **opts).
+# ---------------------------------------------------------------------------
+
+
+def _mean_field_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                      num_samples: int, *, prompt_mask_prob: float = 0.15) -> MaskSample:
+  k = num_samples
+  noisy = completion_mask[None] | _mask_prompt(key, prompt_mask, k, prompt_mask_prob)
+  scored = jnp.broadcast_to(completion_mask[None], noisy.shape)
+  length = jnp.sum(completion_mask, axis=-1).astype(jnp.float32)
+  ones = jnp.ones((k,) + length.shape, jnp.float32)
+  return MaskSample(
+      noisy=noisy,
+      scored=scored,
+      sum_scale=_safe_div(ones, jnp.full_like(ones, k) * (length > 0)),
+      mean_scale=_safe_div(ones, k * length[None]),
+      rate=ones,
+  )
+
+
+def _bernoulli_at_least_one(key: Array, rank: Array, length: Array,
+                            t: Array) -> tuple[Array, Array]:
+  """Bernoulli(t) masks of the completion conditioned on at least one mask.
+
+  Exact sampler: the first masked rank J follows the truncated geometric law
+  P(J = j) ~ t (1 - t)^j on [0, L); ranks after J are masked i.i.d. with
+  probability t. Given the count, the masked set is uniform.
+
+  Args:
+    key: PRNG key.
+    rank: [B, L] completion ranks (-1 outside the completion).
+    length: [B] completion lengths L.
+    t: [K, B] mask probabilities in (0, 1].
+
+  Returns:
+    masked: [K, B, L] bool; p_any: [K, B] = 1 - (1 - t)^L.
+  """
+  key_first, key_rest = jax.random.split(key)
+  log_q = jnp.log1p(-t)  # -inf at t = 1, handled below.
+  p_any = -jnp.expm1(length[None] * log_q)
+  u = jax.random.uniform(key_first, t.shape)
+  # Inverse CDF of the truncated geometric law; at t = 1 it gives J = 0.
+  first = jnp.floor(jnp.log1p(-u * p_any) / log_q)
+  first = jnp.clip(first, 0, jnp.maximum(length[None] - 1, 0)).astype(jnp.int32)
+  draws = jax.random.uniform(key_rest, t.shape + rank.shape[-1:]) < t[..., None]
+  rank = rank[None]
+  masked = (rank == first[..., None]) | ((rank > first[..., None]) & draws)
+  return masked & (rank >= 0), p_any
+
+
+def _elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                num_samples: int, *, schedule: str = "bernoulli",
+                coupled: bool = False, prompt_mask_prob: float = 0.0) -> MaskSample:
+  if schedule not in ("bernoulli", "count"):
+    raise ValueError(f"schedule must be 'bernoulli' or 'count', got {schedule!r}.")
+  if coupled and schedule != "count":
+    raise ValueError("coupled (complementary) masks need schedule='count'.")
+  key_t, key_mask, key_prompt = jax.random.split(key, 3)
+  k = num_samples
+  length = jnp.sum(completion_mask, axis=-1).astype(jnp.float32)  # [B]
+  t = _stratified_times(key_t, k, completion_mask.shape[0])  # [K, B]
+  rank = _completion_rank(completion_mask)
+  if schedule == "bernoulli":
+    masked, p_any = _bernoulli_at_least_one(key_mask, rank, length, t)
+    count = jnp.sum(masked, axis=-1).astype(jnp.float32)
+    sum_scale = jnp.where(length[None] > 0, p_any / t, 0.0) / k
+  else:
+    count = jnp.clip(jnp.ceil(t * length[None]), 1, jnp.maximum(length[None], 1))
+    count = count * (length[None] > 0)
+    masked = _random_subset(key_mask, jnp.broadcast_to(completion_mask, (k,) + rank.shape),
+                            count.astype(jnp.int32))
+    sum_scale = _safe_div(length[None], count) / k
+  mean_scale = _safe_div(jnp.ones_like(count), count) / k
+  rate = _safe_div(count, length[None])
+  if coupled:
+    # Pair each mask M (size m) with its complement (size L - m). With m
+    # uniform on {1..L}, a size-k mask appears twice as often for k < L as
+    # for k = L, so sizes k < L get half the weight L / k: still unbiased.
+    complement = completion_mask[None] & ~masked
+    count_c = length[None] - count
+    halves = jnp.where(count_c > 0, 2.0, 1.0)
+    masked = jnp.concatenate([masked, complement])
+    sum_scale = jnp.concatenate([_safe_div(length[None], count * halves),
+                                 _safe_div(length[None], count_c * 2.0)]) / k
+    mean_scale = jnp.concatenate([_safe_div(jnp.ones_like(count), count * halves),
+                                  _safe_div(jnp.ones_like(count), count_c * 2.0)]) / k
+    rate = jnp.concatenate([rate, _safe_div(count_c, length[None])])
+  rows = masked.shape[0]
+  noisy = masked | _mask_prompt(key_prompt, prompt_mask, rows, prompt_mask_prob)
+  return MaskSample(noisy=noisy, scored=masked, sum_scale=sum_scale,
+                    mean_scale=mean_scale, rate=rate)
+
+
+def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                        num_samples: int, *, block_length: int = 32,
+                        prompt_mask_prob: float = 0.15) -> MaskSample:
+  if block_length < 1:
+    raise ValueError(f"block_length must be >= 1, got {block_length}.")
+  key_block, key_count, key_mask, key_prompt = jax.random.split(key, 4)
+  k = num_samples
+  batch = completion_mask.shape[0]
+  length = jnp.sum(completion_mask, axis=-1).astype(jnp.int32)  # [B]
+  num_blocks = -(-length // block_length)  # ceil
+  block = jax.random.randint(key_block, (k, batch), 0, jnp.maximum(num_blocks, 1))
+  block_size = jnp.clip(length[None] - block * block_length, 0, block_length)  # [K, B]
+  count = jnp.floor(jax.random.uniform(key_count, (k, batch)) * block_size) + 1
+  count = jnp.minimum(count, block_size).astype(jnp.int32)
+  rank = _completion_rank(completion_mask)[None]  # [1, B, L]
+  block_of = jnp.where(rank >= 0, rank // block_length, -1)
+  in_block = block_of == block[..., None]
+  later = block_of > block[..., None]
+  masked = _random_subset(key_mask, in_block, count)
+  noisy = masked | later | _mask_prompt(key_prompt, prompt_mask, k, prompt_mask_prob)
+  # One of num_blocks blocks, m of its n tokens: a token is scored with
+  # probability m / (num_blocks * n), so weighting by the inverse makes the sum
+  # form unbiased; dividing by L gives the per-token mean.
+  count_f = count.astype(jnp.float32)
+  total = (num_blocks[None] * block_size).astype(jnp.float32)
+  sum_scale = _safe_div(total, count_f) / k
+  mean_scale = _safe_div(total, count_f * length[None]) / k
+  return MaskSample(noisy=noisy, scored=masked, sum_scale=sum_scale,
+                    mean_scale=mean_scale, rate=_safe_div(count_f, total))
+
+
+MASK_SAMPLERS: dict[str, Callable[..., MaskSample]] = {
+    "mean_field": _mean_field_masks,
+    "elbo": _elbo_masks,
+    "block_random": _block_random_masks,
+}
+
+
+def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
+                 method: str, num_samples: int = 1, **options) -> MaskSample:
+  """Monte Carlo masks for ``method`` (see the module docstring).
+
+  Args:
+    key: PRNG key; the same key gives the same masks (coupled ratios).
+    prompt_mask: [B, L] bool, prompt tokens.
+    completion_mask: [B, L] bool, completion tokens that count (no padding).
+    method: 'mean_field', 'elbo' or 'block_random'.
+    num_samples: K.
+    **options: method options (``prompt_mask_prob``, ``schedule``,
+      ``coupled``, ``block_length``).
+
+  Returns:
+    A :class:`MaskSample` with R = K rows (2K for coupled ELBO masks).
+  """
+  if method not in MASK_SAMPLERS:
+    raise ValueError(f"Unknown estimator method {method!r}; choose one of "
+                     f"{sorted(MASK_SAMPLERS)}.")
+  if num_samples < 1:
+    raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+  chex.assert_rank(prompt_mask, 2)
+  chex.assert_equal_shape([prompt_mask, completion_mask])
+  return MASK_SAMPLERS[method](key, prompt_mask.astype(bool),
+                               completion_mask.astype(bool), num_samples, **options)
+
+
+# ---------------------------------------------------------------------------
+# Scoring.
+# ---------------------------------------------------------------------------
+
+
+def token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array,
+                   mask_id: int) -> Array:
+  """log p(z_i | noised z) at every position, all rows in one forward pass.
+
+  Args:
+    logits_fn: tokens [R * B, L] -> logits [R * B, L, V].
+    tokens: [B, L] clean tokens z.
+    noisy: [R, B, L] bool, positions to replace by ``mask_id``.
+    mask_id: the mask token id.
+
+  Returns:
+    [R, B, L] float32 log-probs of the clean tokens.
+  """
+  rows, batch, length = noisy.shape
+  noised = jnp.where(noisy, mask_id, tokens[None]).reshape(rows * batch, length)
+  logits = logits_fn(noised)
+  chex.assert_shape(logits, (rows * batch, length, None))
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(
+      logits, jnp.broadcast_to(tokens[None], (rows, batch, length)).reshape(
+          rows * batch, length, 1), axis=-1)[..., 0]
+  logp = picked - jax.nn.logsumexp(logits, axis=-1)
+  return logp.reshape(rows, batch, length)
+
+
+def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Array:
+  """[B] estimate: the scaled sum of scored token log-probs over rows.
+
+  Args:
+    token_logp: [R, B, L].
+    masks: the rows' :class:`MaskSample`.
+    normalize: 'sum' (log-likelihood) or 'mean' (per-token, length-normalized).
+  """
+  if normalize == "sum":
+    scale = masks.sum_scale
+  elif normalize == "mean":
+    scale = masks.mean_scale
+  else:
+    raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}.")
+  per_row = jnp.sum(jnp.where(masks.scored, token_logp, 0.0), axis=-1)
+  return jnp.sum(scale * per_row, axis=0)
+
+
+def estimate_from_masks(logits_fn: LogitsFn, tokens: Array, masks: MaskSample, *,
+                        mask_id: int, normalize: str = "sum") -> Estimate:
+  """Scores given masks: one forward pass of R * B rows."""
+  token_logp = token_logprobs(logits_fn, tokens, masks.noisy, mask_id)
+  return Estimate(value=combine(token_logp, masks, normalize),
+                  token_logp=token_logp, masks=masks)
+
+
+def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
+                  completion_mask: Array, key: Array, *, method: str,
+                  mask_id: int, num_samples: int = 1, normalize: str = "sum",
+                  masks: MaskSample | None = None, return_details: bool = False,
+                  **options) -> Array | Estimate:
+  """Estimate log pi(y | x) for each sequence of a batch.
+
+  Args:
+    logits_fn: tokens [B', L] -> logits [B', L, V], bidirectional.
+    tokens: [B, L] clean tokens z = [x; y] (int).
+    prompt_mask: [B, L] bool, prompt tokens x.
+    completion_mask: [B, L] bool, completion tokens y that count (no padding).
+    key: PRNG key (unused when ``masks`` is given).
+    method: 'mean_field', 'elbo' or 'block_random'.
+    mask_id: the mask token id.
+    num_samples: K Monte Carlo samples, scored in one batched forward pass.
+    normalize: 'sum' (log-likelihood) or 'mean' (per completion token).
+    masks: reuse these masks (e.g. the same masks for the numerator and the
+      denominator of a ratio) instead of sampling.
+    return_details: return an :class:`Estimate` (with token log-probs) instead
+      of the [B] values.
+    **options: options of the method's mask sampler.
+
+  Returns:
+    [B] float32 estimates, or an :class:`Estimate`.
+  """
+  _check_masks(tokens, prompt_mask, completion_mask)
+  if masks is None:
+    masks = sample_masks(key, prompt_mask, completion_mask, method=method,
+                         num_samples=num_samples, **options)
+  estimate = estimate_from_masks(logits_fn, tokens, masks, mask_id=mask_id,
+                                 normalize=normalize)
+  return estimate if return_details else estimate.value
+
+
+# ---------------------------------------------------------------------------
+# SPG's evidence upper bound.
+# ---------------------------------------------------------------------------
+
+
+def eubo_from_samples(token_logp: Array, masks: MaskSample, *,
+                      beta: float = 1.5) -> Array:
+  """EUBO_beta: per token, log of the row average of ``p^beta / t_hat``, over beta.
+
+  ``eubo_i = (1/beta) log((1/R) sum_r 1[i scored in r] p_r(y_i)^beta / t_hat_r)``,
+  averaged over the tokens scored in at least one row. For a model whose
+  logits ignore the input it tends to the per-token mean log-likelihood as R
+  grows, because ``E[1[i scored] / t_hat] = 1`` (see :class:`MaskSample`);
+  for beta > 1 it bounds the likelihood from above (SPG).
+
+  Args:
+    token_logp: [R, B, L] token log-probs of the rows.
+    masks: the rows' :class:`MaskSample`.
+    beta: the Renyi order, > 0.
+
+  Returns:
+    [B] per-token EUBO estimates (0 for sequences with nothing scored).
+  """
+  if beta <= 0:
+    raise ValueError(f"beta must be > 0, got {beta}.")
+  rows = token_logp.shape[0]
+  log_rate = jnp.log(jnp.where(masks.rate > 0, masks.rate, 1.0))[..., None]
+  terms = jnp.where(masks.scored, beta * token_logp - log_rate, -jnp.inf)
+  scored_any = jnp.any(masks.scored, axis=0)  # [B, L]
+  # Tokens scored in no row get a finite dummy (then dropped), so that neither
+  # the value nor the gradient sees a logsumexp of only -inf.
+  terms = jnp.where(scored_any[None], terms, 0.0)
+  per_token = (jax.nn.logsumexp(terms, axis=0) - jnp.log(rows)) / beta
+  per_token = jnp.where(scored_any, per_token, 0.0)
+  return _safe_div(jnp.sum(per_token, axis=-1), jnp.sum(scored_any, axis=-1))
+
+
+# ---------------------------------------------------------------------------
+# Stress test: importance-weight explosion (SPEC section 5).
+# ---------------------------------------------------------------------------
+
+
+def stress_masks(prompt_mask: Array, completion_mask: Array, *, mode: str,
+                 rate: float, num_samples: int = 1) -> MaskSample:
+  """Deliberately biased ELBO masks that make log rho explode.
+
+  ``mode="easy"`` masks the last ``ceil(rate * L)`` completion tokens (little
+  to predict, with the most context: a high estimate); ``mode="hard"`` masks
+  the first ``ceil(rate * L)`` (a low estimate). Used for the numerator
+  (easy, rate t_min) and the denominator (hard, rate t_max) of a ratio. Rows
+  are weighted like count-schedule ELBO samples (``L / m`` and ``1 / m``).
+
+  Args:
+    prompt_mask: [B, L] bool (prompts stay clean).
+    completion_mask: [B, L] bool.
+    mode: 'easy' or 'hard'.
+    rate: fraction of the completion to mask, in (0, 1].
+    num_samples: K, so that the result can replace K-row masks.
+  """
+  if mode not in ("easy", "hard"):
+    raise ValueError(f"mode must be 'easy' or 'hard', got {mode!r}.")
+  if not 0.0 < rate <= 1.0:
+    raise ValueError(f"rate must lie in (0, 1], got {rate}.")
+  del prompt_mask  # Kept in the signature so that callers pass the same masks.
+  completion_mask = completion_mask.astype(bool)
+  length = jnp.sum(completion_mask, axis=-1)
+  count = jnp.clip(jnp.ceil(rate * length), 1, jnp.maximum(length, 1)) * (length > 0)
+  rank = _completion_rank(completion_mask)
+  if mode == "easy":
+    masked = completion_mask & (rank >= (length - count)[:, None])
+  else:
+    masked = completion_mask & (rank < count[:, None])
+  masked = jnp.broadcast_to(masked[None], (num_samples,) + masked.shape)
+  count = jnp.broadcast_to(count[None].astype(jnp.float32), (num_samples,) + count.shape)
+  length_f = jnp.broadcast_to(length[None].astype(jnp.float32), count.shape)
+  return MaskSample(noisy=masked, scored=masked,
+                    sum_scale=_safe_div(length_f, count) / num_samples,
+                    mean_scale=_safe_div(jnp.ones_like(count), count) / num_samples,
+                    rate=_safe_div(count, length_f))
+
+
+def stress_selection(key: Array, batch_size: int, fraction: float) -> Array:
+  """[B] bool with exactly ``round(fraction * B)`` randomly chosen samples."""
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"fraction must lie in [0, 1], got {fraction}.")
+  count = round(fraction * batch_size)
+  order = jnp.argsort(jax.random.uniform(key, (batch_size,)))
+  return jnp.zeros(batch_size, bool).at[order[:count]].set(True)
+
+
+def select_masks(selected: Array, when_selected: MaskSample,
+                 otherwise: MaskSample) -> MaskSample:
+  """Per sequence, the masks of ``when_selected`` where ``selected`` [B], else ``otherwise``.
+
+  Both must have the same number of rows.
+  """
+  chex.assert_rank(selected, 1)
+  if when_selected.num_rows != otherwise.num_rows:
+    raise ValueError(
+        f"Masks differ in rows: {when_selected.num_rows} vs {otherwise.num_rows}.")
+
+  def pick(a: Array, b: Array) -> Array:
+    sel = selected.reshape((1, -1) + (1,) * (a.ndim - 2))
+    return jnp.where(sel, a, b)
+
+  return jax.tree.map(pick, when_selected, otherwise)

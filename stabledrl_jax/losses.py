@@ -1,0 +1,615 @@
+"""Policy-gradient objectives for masked diffusion LMs: pure functions of arrays.
+
+Every objective takes arrays (no model, no PRNG, no Python branching on values),
+is jit-able, handles padding through masks, and returns ``(loss, metrics)``
+where ``loss`` is the scalar to *minimize* and ``metrics`` a flat dict of
+scalars with stable names (``log_ratio/max``, ``snis/ess``, ``clip/frac_upper``).
+
+Notation (SPEC section 2): a batch holds P prompts x G completions, N = P * G,
+each group contiguous. ``A`` are advantages, ``l`` likelihood estimates,
+``log_ratio = l_theta - l_old`` (log rho) and ``s`` a surrogate log-likelihood
+that carries the gradient.
+
+StableDRL (the paper's objective) in three lines::
+
+    log_c = clip(log_ratio, log lo, log hi)           # unconditional clipping
+    w     = sg(softmax_group(log_c))                  # self-normalization (SNIS)
+    loss  = -(1/P) * sum_groups sum_j w_j * A_j * s_j
+
+The weights are a convex combination within each group, so the gradient is
+bounded by ``max_j |A_j| * ||grad s_j||`` whatever the ratio estimates are.
+
+Objectives are registered by name (``get_objective("stabledrl")``) with a
+uniform calling convention on :class:`ObjectiveInputs`; see the README section
+"Objectives" for how to add one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Metrics = dict[str, Array]
+
+# Clamp for exp() in the k3 KL estimator: exp(20) ~ 5e8 is already far outside
+# any useful KL value, and clamping *before* exp keeps the value and its
+# gradient finite.
+_MAX_KL_LOG_DIFF = 20.0
+
+
+# ---------------------------------------------------------------------------
+# Shared helpers.
+# ---------------------------------------------------------------------------
+
+
+def _num_groups(n: int, group_size: int) -> int:
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}.")
+  if n % group_size:
+    raise ValueError(
+        f"The batch size {n} is not a multiple of group_size {group_size}: "
+        "every group of completions must be complete and contiguous.")
+  return n // group_size
+
+
+def _as_valid(mask: Array | None, shape: tuple[int, ...]) -> Array:
+  if mask is None:
+    return jnp.ones(shape, dtype=bool)
+  chex.assert_shape(mask, shape)
+  return mask.astype(bool)
+
+
+def _masked_mean(x: Array, valid: Array) -> Array:
+  """Mean of ``x`` over ``valid`` entries; 0 when nothing is valid."""
+  total = jnp.sum(jnp.where(valid, x, 0.0))
+  return total / jnp.maximum(jnp.sum(valid), 1)
+
+
+def _masked_max(x: Array, valid: Array) -> Array:
+  return jnp.max(jnp.where(valid, x, -jnp.inf), initial=-jnp.inf)
+
+
+def _masked_min(x: Array, valid: Array) -> Array:
+  return jnp.min(jnp.where(valid, x, jnp.inf), initial=jnp.inf)
+
+
+def _log_bounds(min_ratio: float, max_ratio: float) -> tuple[float, float]:
+  """Log-space clipping bounds; ``min_ratio == 0`` means no lower bound."""
+  if not 0.0 <= min_ratio < max_ratio:
+    raise ValueError(
+        f"Ratio bounds must satisfy 0 <= min_ratio < max_ratio, got "
+        f"min_ratio={min_ratio}, max_ratio={max_ratio}.")
+  log_lo = -math.inf if min_ratio == 0.0 else math.log(min_ratio)
+  return log_lo, math.log(max_ratio)
+
+
+def ratio_metrics(log_ratio: Array, advantages: Array, valid: Array, *,
+                  log_lo: float, log_hi: float) -> Metrics:
+  """Diagnostics of the importance ratios against clipping bounds.
+
+  Args:
+    log_ratio: [...] log rho_hat (per sequence or per token).
+    advantages: [...] A, broadcast to ``log_ratio``'s shape.
+    valid: [...] bool, entries that count.
+    log_lo, log_hi: clipping bounds in log space.
+
+  Returns:
+    ``log_ratio/{mean,max,min}`` and the fraction of valid entries above
+    (``clip/frac_upper``) and below (``clip/frac_lower``) the bounds, also split
+    by the sign of the advantage (``clip/frac_upper_neg_adv``, ...). Ratios
+    above the bound with A < 0 are the ones GRPO's conditional clip lets
+    through.
+  """
+  log_ratio = jax.lax.stop_gradient(log_ratio)
+  above = valid & (log_ratio > log_hi)
+  below = valid & (log_ratio < log_lo)
+  pos = advantages > 0
+  neg = advantages < 0
+  frac = lambda m: _masked_mean(m.astype(jnp.float32), valid)
+  return {
+      "log_ratio/mean": _masked_mean(log_ratio, valid),
+      "log_ratio/max": _masked_max(log_ratio, valid),
+      "log_ratio/min": _masked_min(log_ratio, valid),
+      "clip/frac_upper": frac(above),
+      "clip/frac_lower": frac(below),
+      "clip/frac_upper_pos_adv": frac(above & pos),
+      "clip/frac_upper_neg_adv": frac(above & neg),
+      "clip/frac_lower_pos_adv": frac(below & pos),
+      "clip/frac_lower_neg_adv": frac(below & neg),
+  }
+
+
+# ---------------------------------------------------------------------------
+# Advantages.
+# ---------------------------------------------------------------------------
+
+
+def group_advantages(rewards: Array, group_size: int, *,
+                     scale_by_std: bool = False, eps: float = 1e-6,
+                     ddof: int = 0) -> Array:
+  """Group-relative advantages ``A_j = r_j - mean_group(r)``.
+
+  Args:
+    rewards: [N] rewards, N = P * G, each group of G contiguous.
+    group_size: G.
+    scale_by_std: divide by ``(std_group(r) + eps)`` (GRPO's normalization).
+    eps: added to the std so that a group of equal rewards gives A = 0.
+    ddof: degrees of freedom of the std (0: population std, 1: unbiased).
+
+  Returns:
+    [N] advantages, float32.
+  """
+  chex.assert_rank(rewards, 1)
+  num_groups = _num_groups(rewards.shape[0], group_size)
+  grouped = rewards.astype(jnp.float32).reshape(num_groups, group_size)
+  centred = grouped - jnp.mean(grouped, axis=1, keepdims=True)
+  if scale_by_std:
+    if group_size - ddof < 1:
+      raise ValueError(f"ddof={ddof} needs group_size > {ddof}.")
+    centred = centred / (jnp.std(grouped, axis=1, ddof=ddof, keepdims=True) + eps)
+  return centred.reshape(-1)
+
+
+# ---------------------------------------------------------------------------
+# StableDRL.
+# ---------------------------------------------------------------------------
+
+
+def clip_log_ratio(log_ratio: Array, *, min_ratio: float = 0.0,
+                   max_ratio: float = 5.0) -> Array:
+  """Unconditional clipping in log space: ``log c(rho) = clip(log rho, log lo, log hi)``.
+
+  ``min_ratio = 0`` leaves the lower side unbounded (never ``log(0)``).
+  """
+  log_lo, log_hi = _log_bounds(min_ratio, max_ratio)
+  return jnp.clip(log_ratio, log_lo, log_hi)
+
+
+def _group_softmax(logits: Array, valid: Array) -> Array:
+  """Softmax over the last axis restricted to ``valid`` entries.
+
+  Finite for any finite or -inf input. A group whose valid entries are all
+  -inf (every ratio exactly 0) carries no preference and gets uniform weights;
+  a group with no valid entry gets all-zero weights.
+  """
+  logits = jnp.where(valid, logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  unnorm = jnp.where(valid, jnp.exp(logits - top), 0.0)
+  total = jnp.sum(unnorm, axis=-1, keepdims=True)
+  unnorm = jnp.where(total > 0, unnorm, valid.astype(unnorm.dtype))
+  # The largest valid entry contributes exp(0) = 1 (or the uniform fallback
+  # contributes its count), so total is 0 only for a group with nothing valid.
+  total = jnp.sum(unnorm, axis=-1, keepdims=True)
+  return unnorm / jnp.where(total > 0, total, 1.0)
+
+
+def snis_weights(log_ratio: Array, group_size: int, *, min_ratio: float = 0.0,
+                 max_ratio: float = 5.0, sample_mask: Array | None = None) -> Array:
+  """Self-normalized importance weights of clipped ratios, per group.
+
+  ``w_j = c(rho_j) / sum_{k in group} c(rho_k)``, computed as a softmax of the
+  clipped log ratios (log-sum-exp), so ``rho = 1e300`` or ``1e-300`` stays
+  finite. Use ``group_size = N`` for batch-level normalization.
+
+  Args:
+    log_ratio: [N] log rho_hat, one per completion.
+    group_size: G, the size of a normalization group.
+    min_ratio, max_ratio: clipping bounds on rho (``min_ratio = 0``: no lower
+      bound).
+    sample_mask: optional [N] bool; masked samples get weight 0.
+
+  Returns:
+    [N] weights, >= 0, summing to 1 within each group (with at least one valid
+    sample), with stop-gradient.
+  """
+  chex.assert_rank(log_ratio, 1)
+  num_groups = _num_groups(log_ratio.shape[0], group_size)
+  valid = _as_valid(sample_mask, log_ratio.shape)
+  clipped = clip_log_ratio(log_ratio.astype(jnp.float32), min_ratio=min_ratio,
+                           max_ratio=max_ratio)
+  weights = _group_softmax(clipped.reshape(num_groups, group_size),
+                           valid.reshape(num_groups, group_size))
+  return jax.lax.stop_gradient(weights.reshape(-1))
+
+
+def _snis_metrics(weights: Array, group_size: int, valid: Array) -> Metrics:
+  grouped = weights.reshape(-1, group_size)
+  has_valid = jnp.any(valid.reshape(-1, group_size), axis=1)
+  ess = 1.0 / jnp.maximum(jnp.sum(grouped**2, axis=1), jnp.finfo(jnp.float32).tiny)
+  entropy = -jnp.sum(jnp.where(grouped > 0, grouped * jnp.log(
+      jnp.where(grouped > 0, grouped, 1.0)), 0.0), axis=1)
+  return {
+      "snis/ess": _masked_mean(ess, has_valid),
+      "snis/ess_min": _masked_min(ess, has_valid),
+      "snis/weight_entropy": _masked_mean(entropy, has_valid),
+      "snis/weight_max": jnp.max(weights),
+  }
+
+
+def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
+                   group_size: int, *, min_ratio: float = 0.0,
+                   max_ratio: float = 5.0, normalize_over: str = "group",
+                   sample_mask: Array | None = None) -> tuple[Array, Metrics]:
+  """StableDRL: ``-(1/P) * sum_groups sum_j sg(w_j) * A_j * s_j``.
+
+  Args:
+    logp: [N] surrogate s_j (an ELBO or the SPG sandwich); carries the gradient.
+    log_ratio: [N] log rho_hat_j = l_theta - l_old (length-normalized ELBOs);
+      only its value is used.
+    advantages: [N] A_j.
+    group_size: G.
+    min_ratio, max_ratio: unconditional clip of rho (paper: 0 and 5; the
+      symmetric variant is ``1 - eps, 1 + eps``).
+    normalize_over: ``"group"`` (default, weights sum to 1 per group) or
+      ``"batch"`` (weights sum to 1 over the whole batch).
+    sample_mask: optional [N] bool, samples that count.
+
+  Returns:
+    (loss, metrics) with ESS, log-ratio, clip-fraction and weight-entropy
+    diagnostics.
+  """
+  chex.assert_rank([logp, log_ratio, advantages], 1)
+  chex.assert_equal_shape([logp, log_ratio, advantages])
+  n = logp.shape[0]
+  num_groups = _num_groups(n, group_size)
+  if normalize_over == "group":
+    scope = group_size
+  elif normalize_over == "batch":
+    scope = n
+  else:
+    raise ValueError(
+        f"normalize_over must be 'group' or 'batch', got {normalize_over!r}.")
+  valid = _as_valid(sample_mask, (n,))
+  weights = snis_weights(log_ratio, scope, min_ratio=min_ratio,
+                         max_ratio=max_ratio, sample_mask=valid)
+  advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+  # Group-scope weights sum to 1 per group (total mass P), batch scope to 1.
+  total_mass = num_groups if scope == group_size else 1
+  loss = -jnp.sum(weights * advantages * logp.astype(jnp.float32)) / total_mass
+  log_lo, log_hi = _log_bounds(min_ratio, max_ratio)
+  metrics = {
+      "loss": loss,
+      **ratio_metrics(log_ratio, advantages, valid, log_lo=log_lo, log_hi=log_hi),
+      **_snis_metrics(weights, scope, valid),
+  }
+  return loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# GRPO / d1 and ESPO.
+# ---------------------------------------------------------------------------
+
+
+def kl_penalty(logp: Array, ref_logp: Array, estimator: str = "k3") -> Array:
+  """Per-entry estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
+
+  With ``d = ref_logp - logp``: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1
+  (Schulman's estimators). ``d`` is clamped before ``exp``.
+  """
+  diff = ref_logp - logp
+  if estimator == "k1":
+    return -diff
+  if estimator == "k2":
+    return 0.5 * jnp.square(diff)
+  if estimator == "k3":
+    diff = jnp.clip(diff, -_MAX_KL_LOG_DIFF, _MAX_KL_LOG_DIFF)
+    return jnp.exp(diff) - diff - 1.0
+  raise ValueError(f"kl estimator must be 'k1', 'k2' or 'k3', got {estimator!r}.")
+
+
+def grpo_loss(logp: Array, old_logp: Array, advantages: Array, *,
+              epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+              mask: Array | None = None, ref_logp: Array | None = None,
+              beta: float = 0.0, kl_estimator: str = "k3") -> tuple[Array, Metrics]:
+  """GRPO's conditionally clipped surrogate, token or sequence level.
+
+  ``loss = -mean(min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A))
+  + beta * mean(KL)``, with ``rho = exp(logp - old_logp)``; the mean runs over
+  the batch's valid entries (tokens at token level). For A < 0 and
+  rho > 1 + eps_high the unclipped branch wins, so the gradient grows with rho
+  without bound: the failure StableDRL fixes.
+
+  Args:
+    logp: [N] (sequence level) or [N, T] (token level) log-likelihoods under
+      pi_theta; carries the gradient.
+    old_logp: same shape, under pi_old (no gradient).
+    advantages: [N] A, broadcast over tokens.
+    epsilon_low, epsilon_high: clip range of rho.
+    mask: optional bool of ``logp``'s shape, entries that count (padding off).
+    ref_logp: optional, same shape, under a frozen reference policy.
+    beta: KL coefficient (needs ``ref_logp`` when > 0).
+    kl_estimator: 'k1', 'k2' or 'k3'.
+
+  Returns:
+    (loss, metrics).
+  """
+  chex.assert_equal_shape([logp, old_logp])
+  chex.assert_rank(advantages, 1)
+  if logp.ndim not in (1, 2) or logp.shape[0] != advantages.shape[0]:
+    raise ValueError(
+        f"logp must be [N] or [N, T] with N = len(advantages) = "
+        f"{advantages.shape[0]}, got shape {logp.shape}.")
+  if epsilon_low < 0 or epsilon_high < 0:
+    raise ValueError(
+        f"Clip epsilons must be >= 0, got {epsilon_low}, {epsilon_high}.")
+  if beta and ref_logp is None:
+    raise ValueError("beta > 0 needs ref_logp for the KL penalty.")
+  valid = _as_valid(mask, logp.shape)
+  logp = logp.astype(jnp.float32)
+  adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+  adv = adv[:, None] if logp.ndim == 2 else adv
+  adv = jnp.broadcast_to(adv, logp.shape)
+  log_ratio = logp - jax.lax.stop_gradient(old_logp.astype(jnp.float32))
+  # Padding entries may hold anything (even inf); zero them before exp so that
+  # they cannot poison the gradient through 0 * inf.
+  log_ratio = jnp.where(valid, log_ratio, 0.0)
+  ratio = jnp.exp(log_ratio)
+  unclipped = ratio * adv
+  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+  objective = jnp.minimum(unclipped, clipped)
+  per_entry = -objective
+  metrics = {}
+  if beta:
+    kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp.astype(jnp.float32)),
+                    kl_estimator)
+    kl = jnp.where(valid, kl, 0.0)
+    per_entry = per_entry + beta * kl
+    metrics["kl/mean"] = _masked_mean(kl, valid)
+  loss = _masked_mean(per_entry, valid)
+  log_lo = math.log(1.0 - epsilon_low) if epsilon_low < 1 else -math.inf
+  metrics.update({
+      "loss": loss,
+      # Entries where the clipped branch is taken: their gradient is zero.
+      "clip/frac_active": _masked_mean((clipped < unclipped).astype(jnp.float32), valid),
+      **ratio_metrics(log_ratio, adv, valid, log_lo=log_lo,
+                      log_hi=math.log1p(epsilon_high)),
+  })
+  return loss, metrics
+
+
+def espo_loss(elbo: Array, old_elbo: Array, advantages: Array,
+              gen_length: int | Array, *, epsilon: float = 0.2,
+              sample_mask: Array | None = None, ref_elbo: Array | None = None,
+              beta: float = 0.0) -> tuple[Array, Metrics]:
+  """ESPO: sequence-level PPO on ``rho = exp((ELBO_theta - ELBO_old) / L)``.
+
+  ``loss = -mean(min(rho A, clip(rho, 1 - eps, 1 + eps) A))
+  + beta * mean((ELBO_theta - ELBO_ref)^2 / (2 L))`` (k2 KL per token).
+
+  Args:
+    elbo: [N] sum-form ELBO estimates under pi_theta (gradient).
+    old_elbo: [N] under pi_old.
+    advantages: [N].
+    gen_length: L, the generation length (scalar or [N]).
+    epsilon: symmetric clip range.
+    sample_mask: optional [N] bool.
+    ref_elbo: optional [N] under a reference policy, for the KL penalty.
+    beta: KL coefficient.
+  """
+  chex.assert_rank([elbo, old_elbo, advantages], 1)
+  if beta and ref_elbo is None:
+    raise ValueError("beta > 0 needs ref_elbo for the KL penalty.")
+  inv_length = 1.0 / jnp.asarray(gen_length, jnp.float32)
+  loss, metrics = grpo_loss(elbo * inv_length, old_elbo * inv_length, advantages,
+                            epsilon_low=epsilon, epsilon_high=epsilon,
+                            mask=sample_mask)
+  if beta:
+    valid = _as_valid(sample_mask, elbo.shape)
+    diff = elbo.astype(jnp.float32) - jax.lax.stop_gradient(ref_elbo.astype(jnp.float32))
+    kl = _masked_mean(0.5 * jnp.square(diff) * inv_length, valid)
+    loss = loss + beta * kl
+    metrics = {**metrics, "loss": loss, "kl/mean": kl}
+  return loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# Ratio-free objectives: SPG and wd1.
+# ---------------------------------------------------------------------------
+
+
+def spg_surrogate(elbo: Array, eubo: Array, advantages: Array, *,
+                  omega: float = 0.5) -> Array:
+  """SPG's sandwiched surrogate s_j.
+
+  The ELBO (a lower bound) for A_j > 0, where raising it raises the
+  likelihood; for A_j <= 0 the mix ``omega * EUBO + (1 - omega) * ELBO`` so
+  that pushing the likelihood down also pushes an upper bound down.
+
+  Args:
+    elbo, eubo: [N] lower and upper bound estimates (gradient flows through).
+    advantages: [N] A.
+    omega: mixing weight in [0, 1].
+  """
+  chex.assert_equal_shape([elbo, eubo, advantages])
+  if not 0.0 <= omega <= 1.0:
+    raise ValueError(f"omega must lie in [0, 1], got {omega}.")
+  mixed = omega * eubo + (1.0 - omega) * elbo
+  return jnp.where(advantages > 0, elbo, mixed)
+
+
+def spg_loss(logp: Array, advantages: Array, lengths: Array, *,
+             sample_mask: Array | None = None) -> tuple[Array, Metrics]:
+  """SPG: ``-sum_j A_j * s_j * len_j / sum_k len_k`` (no importance ratio).
+
+  Args:
+    logp: [N] per-token-mean surrogate s_j (gradient).
+    advantages: [N].
+    lengths: [N] number of scored completion tokens of each sample.
+    sample_mask: optional [N] bool.
+  """
+  chex.assert_rank([logp, advantages, lengths], 1)
+  chex.assert_equal_shape([logp, advantages, lengths])
+  valid = _as_valid(sample_mask, logp.shape)
+  lengths = jnp.where(valid, lengths.astype(jnp.float32), 0.0)
+  adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+  loss = -jnp.sum(adv * logp.astype(jnp.float32) * lengths) / jnp.maximum(
+      jnp.sum(lengths), 1.0)
+  return loss, {"loss": loss, "surrogate/mean": _masked_mean(logp, valid)}
+
+
+def wd1_loss(logp: Array, advantages: Array, group_size: int, *,
+             sample_mask: Array | None = None) -> tuple[Array, Metrics]:
+  """wd1: ``-sum_j softmax_G(A)_j * l_j + sum_j softmax_G(-A)_j * l_j``, mean over groups.
+
+  Args:
+    logp: [N] likelihood estimates l_j (gradient).
+    advantages: [N].
+    group_size: G.
+    sample_mask: optional [N] bool.
+  """
+  chex.assert_rank([logp, advantages], 1)
+  chex.assert_equal_shape([logp, advantages])
+  num_groups = _num_groups(logp.shape[0], group_size)
+  valid = _as_valid(sample_mask, logp.shape).reshape(num_groups, group_size)
+  adv = jax.lax.stop_gradient(advantages.astype(jnp.float32)).reshape(
+      num_groups, group_size)
+  w_pos = _group_softmax(adv, valid)
+  w_neg = _group_softmax(-adv, valid)
+  grouped = logp.astype(jnp.float32).reshape(num_groups, group_size)
+  loss = jnp.sum((w_neg - w_pos) * grouped) / num_groups
+  return loss, {"loss": loss, "wd1/weight_pos_max": jnp.max(w_pos)}
+
+
+# ---------------------------------------------------------------------------
+# Registry: objectives selected by config name.
+# ---------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class ObjectiveInputs:
+  """What the trainer hands an objective. Shapes: N = P * G completions.
+
+  Attributes:
+    logp: [N] likelihood estimate under pi_theta (carries the gradient), or
+      [N, T] per-token log-probs for token-level GRPO.
+    advantages: [N] A.
+    old_logp: like ``logp``, under pi_old (rollout time), no gradient.
+    mask: [N] (or [N, T] at token level) bool, entries that count.
+    ref_logp: like ``logp``, under the frozen reference policy (KL terms).
+    eubo: [N] EUBO estimate under pi_theta (SPG sandwich), gradient.
+    lengths: [N] scored completion tokens per sample.
+  """
+
+  logp: Array
+  advantages: Array
+  old_logp: Array | None = None
+  mask: Array | None = None
+  ref_logp: Array | None = None
+  eubo: Array | None = None
+  lengths: Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """A registered objective.
+
+  Attributes:
+    name: config name.
+    fn: ``fn(inputs, *, group_size, **hparams) -> (loss, metrics)``.
+    requires: names of ``ObjectiveInputs`` fields that must be set.
+    normalize: the likelihood normalization it expects, 'sum' or 'mean'.
+  """
+
+  name: str
+  fn: Callable[..., tuple[Array, Metrics]]
+  requires: tuple[str, ...]
+  normalize: str
+
+  def __call__(self, inputs: ObjectiveInputs, *, group_size: int,
+               **hparams: Any) -> tuple[Array, Metrics]:
+    missing = [f for f in self.requires if getattr(inputs, f) is None]
+    if missing:
+      raise ValueError(f"Objective {self.name!r} needs inputs {missing}.")
+    return self.fn(inputs, group_size=group_size, **hparams)
+
+
+_OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(name: str, *, requires: tuple[str, ...] = (),
+                       normalize: str = "mean"):
+  """Decorator adding ``fn(inputs, *, group_size, **hparams)`` to the registry."""
+
+  def decorator(fn):
+    if name in _OBJECTIVES:
+      raise ValueError(f"Objective {name!r} is already registered.")
+    _OBJECTIVES[name] = Objective(name, fn, ("logp", "advantages") + requires,
+                                  normalize)
+    return fn
+
+  return decorator
+
+
+def get_objective(name: str) -> Objective:
+  if name not in _OBJECTIVES:
+    raise ValueError(
+        f"Unknown objective {name!r}; registered: {sorted(_OBJECTIVES)}.")
+  return _OBJECTIVES[name]
+
+
+def objective_names() -> list[str]:
+  return sorted(_OBJECTIVES)
+
+
+def _surrogate(inputs: ObjectiveInputs, surrogate: str, omega: float) -> Array:
+  if surrogate == "elbo":
+    return inputs.logp
+  if surrogate == "sandwich":
+    if inputs.eubo is None:
+      raise ValueError("surrogate='sandwich' needs inputs.eubo.")
+    return spg_surrogate(inputs.logp, inputs.eubo, inputs.advantages, omega=omega)
+  raise ValueError(f"surrogate must be 'elbo' or 'sandwich', got {surrogate!r}.")
+
+
+@register_objective("grpo", requires=("old_logp",), normalize="sum")
+def _grpo(inputs: ObjectiveInputs, *, group_size: int, epsilon_low: float = 0.2,
+          epsilon_high: float = 0.2, beta: float = 0.0,
+          kl_estimator: str = "k3") -> tuple[Array, Metrics]:
+  del group_size  # Advantages already carry the group structure.
+  return grpo_loss(inputs.logp, inputs.old_logp, inputs.advantages,
+                   epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                   mask=inputs.mask, ref_logp=inputs.ref_logp, beta=beta,
+                   kl_estimator=kl_estimator)
+
+
+@register_objective("espo", requires=("old_logp",), normalize="sum")
+def _espo(inputs: ObjectiveInputs, *, group_size: int, gen_length: int,
+          epsilon: float = 0.2, beta: float = 0.0) -> tuple[Array, Metrics]:
+  del group_size
+  return espo_loss(inputs.logp, inputs.old_logp, inputs.advantages, gen_length,
+                   epsilon=epsilon, sample_mask=inputs.mask,
+                   ref_elbo=inputs.ref_logp, beta=beta)
+
+
+@register_objective("spg", requires=("lengths",), normalize="mean")
+def _spg(inputs: ObjectiveInputs, *, group_size: int, surrogate: str = "sandwich",
+         omega: float = 0.5) -> tuple[Array, Metrics]:
+  del group_size
+  return spg_loss(_surrogate(inputs, surrogate, omega), inputs.advantages,
+                  inputs.lengths, sample_mask=inputs.mask)
+
+
+@register_objective("wd1", normalize="sum")
+def _wd1(inputs: ObjectiveInputs, *, group_size: int) -> tuple[Array, Metrics]:
+  return wd1_loss(inputs.logp, inputs.advantages, group_size,
+                  sample_mask=inputs.mask)
+
+
+@register_objective("stabledrl", requires=("old_logp",), normalize="mean")
+def _stabledrl(inputs: ObjectiveInputs, *, group_size: int,
+               min_ratio: float = 0.0, max_ratio: float = 5.0,
+               normalize_over: str = "group", surrogate: str = "elbo",
+               omega: float = 0.5) -> tuple[Array, Metrics]:
+  log_ratio = inputs.logp - inputs.old_logp
+  return stabledrl_loss(_surrogate(inputs, surrogate, omega), log_ratio,
+                        inputs.advantages, group_size, min_ratio=min_ratio,
+                        max_ratio=max_ratio, normalize_over=normalize_over,
+                        sample_mask=inputs.mask)

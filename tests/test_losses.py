@@ -1,0 +1,396 @@
+"""Objectives against float64 numpy re-derivations, and the paper's claims as properties."""
+
+import functools
+
+import chex
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from stabledrl_jax import losses
+
+# ---------------------------------------------------------------------------
+# Independent float64 references (written from the SPEC formulas, not the code).
+# ---------------------------------------------------------------------------
+
+
+def np_advantages(r, g, scale=False, eps=1e-6):
+  r = np.asarray(r, np.float64).reshape(-1, g)
+  a = r - r.mean(1, keepdims=True)
+  if scale:
+    a = a / (r.std(1, keepdims=True) + eps)
+  return a.reshape(-1)
+
+
+def np_snis(log_ratio, g, lo=0.0, hi=5.0, valid=None):
+  x = np.asarray(log_ratio, np.float64)
+  x = np.minimum(x, np.log(hi))
+  if lo > 0:
+    x = np.maximum(x, np.log(lo))
+  valid = np.ones_like(x, bool) if valid is None else np.asarray(valid)
+  out = np.zeros_like(x)
+  for start in range(0, len(x), g):
+    sl = slice(start, start + g)
+    xs, vs = x[sl], valid[sl]
+    if not vs.any():
+      continue
+    e = np.where(vs, np.exp(xs - xs[vs].max()), 0.0)
+    out[sl] = e / e.sum()
+  return out
+
+
+def np_stabledrl(s, log_ratio, adv, g, lo=0.0, hi=5.0, valid=None):
+  w = np_snis(log_ratio, g, lo, hi, valid)
+  return -np.sum(w * np.asarray(adv, np.float64) * np.asarray(s, np.float64)) / (len(s) // g)
+
+
+def np_grpo(logp, old, adv, el=0.2, eh=0.2, mask=None, ref=None, beta=0.0, kl="k3"):
+  logp, old = np.asarray(logp, np.float64), np.asarray(old, np.float64)
+  adv = np.asarray(adv, np.float64)
+  if logp.ndim == 2:
+    adv = adv[:, None] * np.ones_like(logp)
+  mask = np.ones(logp.shape, bool) if mask is None else np.asarray(mask)
+  with np.errstate(over="ignore"):  # padded entries may overflow; masked below
+    rho = np.exp(logp - old)
+  obj = np.minimum(rho * adv, np.clip(rho, 1 - el, 1 + eh) * adv)
+  per = -obj
+  if beta:
+    d = np.asarray(ref, np.float64) - logp
+    k = {"k1": -d, "k2": 0.5 * d**2, "k3": np.exp(d) - d - 1}[kl]
+    per = per + beta * k
+  return per[mask].mean()
+
+
+def np_wd1(l, adv, g):
+  l = np.asarray(l, np.float64).reshape(-1, g)
+  a = np.asarray(adv, np.float64).reshape(-1, g)
+  sm = lambda z: np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)
+  return np.mean(-(sm(a) * l).sum(1) + (sm(-a) * l).sum(1))
+
+
+def np_spg(s, adv, lengths, valid=None):
+  valid = np.ones(len(s), bool) if valid is None else np.asarray(valid)
+  lengths = np.where(valid, np.asarray(lengths, np.float64), 0.0)
+  return -np.sum(np.asarray(adv, np.float64) * np.asarray(s, np.float64) * lengths) / lengths.sum()
+
+
+def random_batch(seed, groups=3, g=4):
+  rng = np.random.default_rng(seed)
+  n = groups * g
+  rewards = rng.integers(0, 3, n).astype(np.float32)
+  return (rng.normal(size=n).astype(np.float32) - 2.0,  # logp
+          rng.normal(scale=1.5, size=n).astype(np.float32),  # log ratio
+          np_advantages(rewards, g).astype(np.float32), n, g)
+
+
+# ---------------------------------------------------------------------------
+# Advantages.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_group_advantages_matches_numpy(scale):
+  rewards = np.random.default_rng(0).normal(size=24).astype(np.float32)
+  got = losses.group_advantages(jnp.asarray(rewards), 6, scale_by_std=scale)
+  np.testing.assert_allclose(got, np_advantages(rewards, 6, scale), rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_zero_for_equal_rewards_and_sum_to_zero():
+  rewards = jnp.array([1.0, 1.0, 1.0, 0.0, 1.0, 2.0])
+  adv = losses.group_advantages(rewards, 3, scale_by_std=True)
+  np.testing.assert_allclose(adv[:3], 0.0)
+  np.testing.assert_allclose(adv.reshape(2, 3).sum(1), 0.0, atol=1e-6)
+
+
+def test_group_advantages_rejects_partial_groups():
+  with pytest.raises(ValueError, match="multiple of group_size"):
+    losses.group_advantages(jnp.zeros(7), 4)
+
+
+# ---------------------------------------------------------------------------
+# SNIS weights.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lo,hi", [(0.0, 5.0), (0.8, 1.2)])
+def test_snis_weights_match_numpy(lo, hi):
+  _, log_ratio, _, _, g = random_batch(1)
+  got = losses.snis_weights(jnp.asarray(log_ratio), g, min_ratio=lo, max_ratio=hi)
+  np.testing.assert_allclose(got, np_snis(log_ratio, g, lo, hi), rtol=1e-5, atol=1e-7)
+
+
+@hypothesis.settings(deadline=None, max_examples=60)
+@hypothesis.given(
+    groups=st.integers(1, 4), g=st.integers(1, 6),
+    data=st.data(), symmetric=st.booleans())
+def test_snis_weights_finite_nonnegative_normalized(groups, g, data, symmetric):
+  log_ratio = data.draw(hnp.arrays(
+      np.float32, groups * g,
+      elements=st.one_of(st.floats(-1e4, 1e4, width=32), st.sampled_from([-1e4, 1e4]))))
+  lo, hi = (0.8, 1.2) if symmetric else (0.0, 5.0)
+  w = np.asarray(losses.snis_weights(jnp.asarray(log_ratio), g, min_ratio=lo, max_ratio=hi))
+  assert np.all(np.isfinite(w)) and np.all(w >= 0)
+  np.testing.assert_allclose(w.reshape(groups, g).sum(1), 1.0, rtol=1e-5)
+
+
+def test_snis_weights_survive_infinite_ratios():
+  log_ratio = jnp.array([jnp.inf, 0.0, -jnp.inf, -jnp.inf, -jnp.inf, -jnp.inf])
+  w = np.asarray(losses.snis_weights(log_ratio, 3))
+  assert np.all(np.isfinite(w))
+  np.testing.assert_allclose(w[:3], np_snis([np.log(5.0), 0.0, -np.inf], 3))
+  # Every ratio exactly zero: no preference, uniform weights.
+  np.testing.assert_allclose(w[3:], 1 / 3)
+
+
+def test_snis_weights_have_no_gradient():
+  grad = jax.grad(lambda x: jnp.sum(losses.snis_weights(x, 2) * jnp.arange(4.0)))(jnp.ones(4))
+  np.testing.assert_array_equal(grad, 0.0)
+
+
+def test_snis_sample_mask_zeroes_weight():
+  w = losses.snis_weights(jnp.array([3.0, 1.0, 2.0, 0.0]), 4,
+                          sample_mask=jnp.array([False, True, True, True]))
+  np.testing.assert_allclose(w, np_snis([3.0, 1.0, 2.0, 0.0], 4, valid=[0, 1, 1, 1]), rtol=1e-6)
+
+
+def test_ratio_bounds_are_validated():
+  with pytest.raises(ValueError, match="min_ratio < max_ratio"):
+    losses.snis_weights(jnp.zeros(2), 2, min_ratio=2.0, max_ratio=1.0)
+
+
+# ---------------------------------------------------------------------------
+# StableDRL loss and its convex-hull bound.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lo,hi", [(0.0, 5.0), (0.8, 1.2)])
+def test_stabledrl_loss_matches_numpy(lo, hi):
+  logp, log_ratio, adv, _, g = random_batch(2)
+  loss, metrics = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio),
+                                        jnp.asarray(adv), g, min_ratio=lo, max_ratio=hi)
+  np.testing.assert_allclose(loss, np_stabledrl(logp, log_ratio, adv, g, lo, hi), rtol=1e-5)
+  w = np_snis(log_ratio, g, lo, hi).reshape(-1, g)
+  np.testing.assert_allclose(metrics["snis/ess"], np.mean(1 / (w**2).sum(1)), rtol=1e-5)
+  np.testing.assert_allclose(metrics["log_ratio/max"], log_ratio.max(), rtol=1e-6)
+  np.testing.assert_allclose(metrics["clip/frac_upper"], np.mean(log_ratio > np.log(hi)))
+  np.testing.assert_allclose(
+      metrics["clip/frac_upper_neg_adv"], np.mean((log_ratio > np.log(hi)) & (adv < 0)))
+  entropy = -np.sum(np.where(w > 0, w * np.log(np.where(w > 0, w, 1)), 0), 1).mean()
+  np.testing.assert_allclose(metrics["snis/weight_entropy"], entropy, rtol=1e-5)
+
+
+def test_stabledrl_loss_with_padding_matches_numpy():
+  logp, log_ratio, adv, n, g = random_batch(3)
+  valid = np.random.default_rng(3).random(n) > 0.3
+  # Padded samples hold garbage that must not leak into the loss.
+  log_ratio = np.where(valid, log_ratio, 1e30).astype(np.float32)
+  loss, _ = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
+                                  g, sample_mask=jnp.asarray(valid))
+  np.testing.assert_allclose(loss, np_stabledrl(logp, log_ratio, adv, g, valid=valid), rtol=1e-5)
+
+
+def test_stabledrl_batch_normalization_scope():
+  logp, log_ratio, adv, n, g = random_batch(4)
+  loss, _ = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
+                                  g, normalize_over="batch")
+  w = np_snis(log_ratio, n)
+  np.testing.assert_allclose(loss, -np.sum(w * adv * logp), rtol=1e-5)
+
+
+def test_stabledrl_gradient_is_snis_weighted_policy_gradient():
+  logp, log_ratio, adv, _, g = random_batch(5)
+  grad = jax.grad(lambda s: losses.stabledrl_loss(s, jnp.asarray(log_ratio),
+                                                  jnp.asarray(adv), g)[0])(jnp.asarray(logp))
+  expected = -np_snis(log_ratio, g) * adv / (len(logp) // g)
+  np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8)
+
+
+@hypothesis.settings(deadline=None, max_examples=40)
+@hypothesis.given(seed=st.integers(0, 2**31 - 1), groups=st.integers(1, 3),
+                  g=st.integers(2, 6), log_scale=st.sampled_from([1.0, 30.0, 1e4]),
+                  symmetric=st.booleans())
+def test_gradient_stays_in_convex_hull(seed, groups, g, log_scale, symmetric):
+  """||grad J|| <= max_j |A_j| ||grad s_j|| for any ratios, with s linear in theta."""
+  rng = np.random.default_rng(seed)
+  n, dim = groups * g, 5
+  features = rng.normal(size=(n, dim)).astype(np.float32)  # grad s_j = features[j]
+  adv = rng.normal(size=n).astype(np.float32)
+  log_ratio = (rng.normal(size=n) * log_scale).astype(np.float32)
+  lo, hi = (0.8, 1.2) if symmetric else (0.0, 5.0)
+
+  def loss_fn(theta):
+    return losses.stabledrl_loss(jnp.asarray(features) @ theta, jnp.asarray(log_ratio),
+                                 jnp.asarray(adv), g, min_ratio=lo, max_ratio=hi)[0]
+
+  grad = np.asarray(jax.grad(loss_fn)(jnp.zeros(dim)), np.float64)
+  bound = np.max(np.abs(adv) * np.linalg.norm(features, axis=1))
+  assert np.all(np.isfinite(grad))
+  assert np.linalg.norm(grad) <= bound * (1 + 1e-5)
+
+
+def test_grpo_gradient_grows_without_bound_for_negative_advantage():
+  """The pathology: for A < 0 and rho > 1 + eps, GRPO's gradient is rho * |A| / N."""
+  adv = jnp.array([-1.0, 1.0])
+  norms = []
+  for log_rho in [0.0, 5.0, 10.0, 20.0, 40.0]:
+    old = jnp.array([-log_rho, 0.0])
+    grad = jax.grad(lambda lp: losses.grpo_loss(lp, old, adv)[0])(jnp.zeros(2))
+    norms.append(float(jnp.linalg.norm(grad)))
+    np.testing.assert_allclose(grad[0], np.exp(log_rho) / 2, rtol=1e-4)
+  assert all(b > 100 * a for a, b in zip(norms[1:], norms[2:]))
+  # StableDRL on the same ratios stays below max |A| * ||grad s|| = 1.
+  for log_rho in [0.0, 40.0, 1e4]:
+    grad = jax.grad(lambda s: losses.stabledrl_loss(
+        s, jnp.array([log_rho, 0.0]), adv, 2)[0])(jnp.zeros(2))
+    assert float(jnp.linalg.norm(grad)) <= 1.0
+
+
+# ---------------------------------------------------------------------------
+# GRPO / d1, ESPO.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3"])
+def test_grpo_token_level_with_padding_and_kl_matches_numpy(kl):
+  rng = np.random.default_rng(6)
+  n, t = 8, 5
+  logp = rng.normal(scale=0.5, size=(n, t)).astype(np.float32) - 1
+  old = logp + rng.normal(scale=0.4, size=(n, t)).astype(np.float32)
+  ref = logp + rng.normal(scale=0.3, size=(n, t)).astype(np.float32)
+  adv = np_advantages(rng.integers(0, 2, n), 4).astype(np.float32)
+  mask = rng.random((n, t)) > 0.25
+  logp_padded = np.where(mask, logp, 1e4).astype(np.float32)  # padding garbage
+  loss, metrics = losses.grpo_loss(
+      jnp.asarray(logp_padded), jnp.asarray(old), jnp.asarray(adv), epsilon_low=0.2,
+      epsilon_high=0.28, mask=jnp.asarray(mask), ref_logp=jnp.asarray(ref), beta=0.04,
+      kl_estimator=kl)
+  expected = np_grpo(logp_padded, old, adv, 0.2, 0.28, mask, ref, 0.04, kl)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  assert np.isfinite(metrics["log_ratio/max"])
+  grad = jax.grad(lambda lp: losses.grpo_loss(lp, jnp.asarray(old), jnp.asarray(adv),
+                                              mask=jnp.asarray(mask))[0])(jnp.asarray(logp_padded))
+  assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[~mask] == 0)
+
+
+def test_grpo_sequence_level_matches_numpy():
+  logp, log_ratio, adv, _, _ = random_batch(7)
+  old = logp - log_ratio * 0.3
+  loss, metrics = losses.grpo_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
+                                   epsilon_low=0.5, epsilon_high=0.5)
+  np.testing.assert_allclose(loss, np_grpo(logp, old, adv, 0.5, 0.5), rtol=1e-5)
+  rho = np.exp(logp.astype(np.float64) - old)
+  np.testing.assert_allclose(metrics["clip/frac_active"],
+                             np.mean(np.clip(rho, 0.5, 1.5) * adv < rho * adv))
+
+
+def test_grpo_beta_without_reference_is_an_error():
+  with pytest.raises(ValueError, match="ref_logp"):
+    losses.grpo_loss(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), beta=0.1)
+
+
+def test_espo_matches_numpy():
+  rng = np.random.default_rng(8)
+  n, length = 8, 64
+  elbo = rng.normal(scale=10, size=n).astype(np.float32) - 80
+  old = elbo + rng.normal(scale=8, size=n).astype(np.float32)
+  ref = elbo + rng.normal(scale=5, size=n).astype(np.float32)
+  adv = np_advantages(rng.integers(0, 2, n), 4).astype(np.float32)
+  loss, _ = losses.espo_loss(jnp.asarray(elbo), jnp.asarray(old), jnp.asarray(adv), length,
+                             epsilon=0.2, ref_elbo=jnp.asarray(ref), beta=0.01)
+  e, o, r = (x.astype(np.float64) for x in (elbo, old, ref))
+  expected = np_grpo(e / length, o / length, adv, 0.2, 0.2) + 0.01 * np.mean(
+      (e - r)**2 / (2 * length))
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# SPG, wd1.
+# ---------------------------------------------------------------------------
+
+
+def test_spg_sandwich_and_loss_match_numpy():
+  rng = np.random.default_rng(9)
+  n = 8
+  elbo = rng.normal(size=n).astype(np.float32) - 2
+  eubo = elbo + np.abs(rng.normal(size=n)).astype(np.float32)
+  adv = np_advantages(rng.integers(0, 3, n), 4).astype(np.float32)
+  lengths = rng.integers(1, 30, n).astype(np.float32)
+  valid = np.arange(n) != 3
+  s = losses.spg_surrogate(jnp.asarray(elbo), jnp.asarray(eubo), jnp.asarray(adv), omega=0.5)
+  expected_s = np.where(adv > 0, elbo, 0.5 * eubo + 0.5 * elbo)
+  np.testing.assert_allclose(s, expected_s, rtol=1e-6)
+  loss, _ = losses.spg_loss(s, jnp.asarray(adv), jnp.asarray(lengths),
+                            sample_mask=jnp.asarray(valid))
+  np.testing.assert_allclose(loss, np_spg(expected_s, adv, lengths, valid), rtol=1e-5)
+
+
+def test_wd1_matches_numpy():
+  logp, _, adv, _, g = random_batch(10)
+  loss, _ = losses.wd1_loss(jnp.asarray(logp), jnp.asarray(adv), g)
+  np.testing.assert_allclose(loss, np_wd1(logp, adv, g), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Registry.
+# ---------------------------------------------------------------------------
+
+
+def test_registry_has_every_objective():
+  assert set(losses.objective_names()) >= {"grpo", "espo", "spg", "wd1", "stabledrl"}
+  with pytest.raises(ValueError, match="Unknown objective"):
+    losses.get_objective("ppo")
+
+
+def test_registered_objectives_agree_with_direct_calls():
+  logp, log_ratio, adv, n, g = random_batch(11)
+  old = logp - log_ratio
+  eubo = logp + 0.5
+  lengths = np.full(n, 10.0, np.float32)
+  inputs = losses.ObjectiveInputs(logp=jnp.asarray(logp), advantages=jnp.asarray(adv),
+                                  old_logp=jnp.asarray(old), eubo=jnp.asarray(eubo),
+                                  lengths=jnp.asarray(lengths))
+  sdrl, _ = losses.get_objective("stabledrl")(inputs, group_size=g, surrogate="sandwich")
+  s = np.where(adv > 0, logp, 0.5 * eubo + 0.5 * logp)
+  np.testing.assert_allclose(sdrl, np_stabledrl(s, logp - old, adv, g), rtol=1e-5)
+  grpo, _ = losses.get_objective("grpo")(inputs, group_size=g, epsilon_low=0.5, epsilon_high=0.5)
+  np.testing.assert_allclose(grpo, np_grpo(logp, old, adv, 0.5, 0.5), rtol=1e-5)
+  espo, _ = losses.get_objective("espo")(inputs, group_size=g, gen_length=16)
+  np.testing.assert_allclose(espo, np_grpo(logp / 16, old / 16, adv), rtol=1e-5)
+  spg, _ = losses.get_objective("spg")(inputs, group_size=g)
+  np.testing.assert_allclose(spg, np_spg(s, adv, lengths), rtol=1e-5)
+  wd1, _ = losses.get_objective("wd1")(inputs, group_size=g)
+  np.testing.assert_allclose(wd1, np_wd1(logp, adv, g), rtol=1e-5)
+
+
+def test_objective_names_missing_inputs():
+  inputs = losses.ObjectiveInputs(logp=jnp.zeros(4), advantages=jnp.zeros(4))
+  with pytest.raises(ValueError, match="old_logp"):
+    losses.get_objective("stabledrl")(inputs, group_size=2)
+
+
+# ---------------------------------------------------------------------------
+# jit and no-jit agree.
+# ---------------------------------------------------------------------------
+
+
+class JitAgreementTest(chex.TestCase, parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("grpo", "espo", "spg", "wd1", "stabledrl")
+  def test_objective(self, name):
+    logp, log_ratio, adv, n, g = random_batch(12)
+    inputs = losses.ObjectiveInputs(
+        logp=jnp.asarray(logp), advantages=jnp.asarray(adv),
+        old_logp=jnp.asarray(logp - log_ratio), eubo=jnp.asarray(logp + 1.0),
+        lengths=jnp.full((n,), 7.0), mask=jnp.arange(n) != 2)
+    hparams = {"gen_length": 32} if name == "espo" else {}
+    fn = self.variant(functools.partial(losses.get_objective(name), group_size=g, **hparams))
+    loss, metrics = fn(inputs)
+    ref_loss, ref_metrics = losses.get_objective(name)(inputs, group_size=g, **hparams)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    chex.assert_trees_all_close(metrics, ref_metrics, rtol=1e-6)
