@@ -26,10 +26,13 @@ setuptools.setup(
         "math-verify>=0.7",
     ],
     extras_require={
+        # Parquet datasets (tasks.read_records); the Hugging Face Hub loader also needs `datasets`.
+        "data": ["pyarrow>=14"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",
             "hypothesis>=6.100",
+            "pyarrow>=14",  # so that the Parquet loader is tested, not skipped
         ],
     },
 )

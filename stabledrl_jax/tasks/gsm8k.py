@@ -1,0 +1,68 @@
+"""GSM8K: grade-school math word problems with a numeric answer.
+
+Data: JSONL with {"question", "answer"} where the answer ends in "#### <number>" (the GSM8K
+release format), or the Hub's openai/gsm8k ("main" config).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from stabledrl_jax.rewards import d1_protocol
+from stabledrl_jax.rewards import format_rewards
+from stabledrl_jax.rewards import task_rewards
+from stabledrl_jax.tasks import base
+
+INSTRUCTION = (
+    "Solve the math word problem step by step, then give the final numeric answer as "
+    "\\boxed{number} inside the answer tags.\n"
+    + base.ANSWER_FORMAT.format(answer="\\boxed{number}"))
+
+
+def example_from_record(record: Mapping[str, Any]) -> base.Example:
+  """A GSM8K row ({"question", "answer": "... #### 72"}) or a d1 generation record."""
+  if "answer" in record:
+    answer = str(record["answer"])
+    return base.Example(question=str(record["question"]),
+                        ground_truth=task_rewards.gsm8k_reference_value(answer),
+                        reference=answer if "####" in answer else None)
+  if "ground_truth" in record:
+    return base.Example(question=str(record["question"]), ground_truth=record["ground_truth"])
+  raise ValueError(f"Not a GSM8K record: {sorted(record)}")
+
+
+def _correctness(completion: str, example: base.Example) -> float:
+  if example.ground_truth is None:
+    return 0.0
+  return task_rewards.gsm8k_reward(completion, example.ground_truth)
+
+
+def _format_term(function):
+  return lambda completion, example: function(completion)
+
+
+def _parse_answer(completion: str) -> str | None:
+  value = task_rewards.gsm8k_prediction(completion)
+  return None if value is None else f"{value:g}"
+
+
+def _score(completion: str, example: base.Example) -> base.ItemScore:
+  return base.ItemScore(float(d1_protocol.gsm8k_correct(completion, example.ground_truth)), 1.0)
+
+
+TASK = base.register_task(base.Task(
+    name="gsm8k",
+    instruction=INSTRUCTION,
+    # The d1 mixture: correctness dominates; layout terms give a dense early signal.
+    reward_terms=(
+        base.RewardTerm("correctness", 2.0, _correctness),
+        base.RewardTerm("tag_count", 0.5, _format_term(format_rewards.tag_count_reward)),
+        base.RewardTerm("soft_format", 0.5, _format_term(format_rewards.soft_format_reward)),
+        base.RewardTerm("strict_format", 0.5, _format_term(format_rewards.strict_format_reward)),
+    ),
+    parse_answer=_parse_answer,
+    score=_score,
+    example_from_record=example_from_record,
+    hub_source=base.HubSource("openai/gsm8k", config="main", split="test"),
+    aliases=("gsm",),
+))

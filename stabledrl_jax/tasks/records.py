@@ -1,0 +1,86 @@
+"""Reading raw dataset records from local files or the Hugging Face Hub.
+
+A record is a flat dict, one per problem: a JSONL line, a CSV row (all values are strings), a
+Parquet row or a Hub dataset row. Tasks turn records into `Example`s.
+
+Parquet needs `pyarrow` and the Hub needs `datasets`; both are optional and imported only when
+used, with an error that says what to install.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+from typing import Any
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+  records = []
+  with path.open(encoding="utf-8") as file:
+    for line_number, line in enumerate(file, start=1):
+      if not line.strip():
+        continue
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{line_number}: not JSON: {error}") from None
+  return records
+
+
+def _read_json(path: pathlib.Path) -> list[dict[str, Any]]:
+  """A JSON list of records, or a d1 generation file ({"generations": [...]})."""
+  data = json.loads(path.read_text(encoding="utf-8"))
+  if isinstance(data, dict) and isinstance(data.get("generations"), list):
+    return data["generations"]
+  if isinstance(data, list):
+    return data
+  raise ValueError(f"{path}: expected a list of records or a d1 generations file.")
+
+
+def _read_csv(path: pathlib.Path) -> list[dict[str, Any]]:
+  # Values stay strings: sudoku grids such as "0140..." must keep their leading zeros.
+  with path.open(encoding="utf-8", newline="") as file:
+    return list(csv.DictReader(file))
+
+
+def _read_parquet(path: pathlib.Path) -> list[dict[str, Any]]:
+  try:
+    import pyarrow.parquet  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ImportError(
+        f"Reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
+  return pyarrow.parquet.read_table(path).to_pylist()
+
+
+_READERS = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_json,
+    ".csv": _read_csv,
+    ".parquet": _read_parquet,
+}
+
+
+def read_records(path: str | pathlib.Path) -> list[dict[str, Any]]:
+  """All records of a local .jsonl, .json, .csv or .parquet file, in file order."""
+  path = pathlib.Path(path)
+  reader = _READERS.get(path.suffix.lower())
+  if reader is None:
+    raise ValueError(f"{path}: unsupported extension; expected one of {sorted(_READERS)}.")
+  if not path.is_file():
+    raise FileNotFoundError(path)
+  return reader(path)
+
+
+def load_hub_records(path: str, config: str | None = None,
+                     split: str = "train") -> list[dict[str, Any]]:
+  """All rows of a Hugging Face Hub dataset split (needs `datasets` and network access)."""
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ImportError(
+        f"Loading {path!r} from the Hugging Face Hub needs the optional `datasets` package "
+        "(pip install datasets) and network access. Offline, pass a local .jsonl/.csv/.parquet "
+        "file instead, or use the synthetic generators.") from None
+  dataset = datasets.load_dataset(path, config, split=split)
+  return [dict(row) for row in dataset]

@@ -1,0 +1,272 @@
+"""Tokenizers: a character-level one for synthetic tasks, and a wrapper over Hugging Face
+`tokenizers` files that applies the LLaDA-Instruct chat template.
+
+Both expose the ids a masked diffusion model needs (`mask_id`, `pad_id`, `eos_id`, `vocab_size`),
+`encode` / `decode`, and batch helpers that return numpy int32 arrays:
+
+    ids, valid = tokenizer.encode_batch(texts, length=64, padding_side="left")
+
+`ids` is [B, L] int32 filled with `pad_id` where `valid` ([B, L] bool) is False. Prompts are
+usually left-padded (their ends line up where the completion starts); targets right-padded.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import string
+from typing import Sequence
+
+import numpy as np
+
+# ---------------------------------------------------------------------------
+# Batching shared by both tokenizers.
+# ---------------------------------------------------------------------------
+
+
+def pad_sequences(sequences: Sequence[Sequence[int]], *, pad_id: int, length: int | None = None,
+                  padding_side: str = "right") -> tuple[np.ndarray, np.ndarray]:
+  """Stacks token lists into a padded batch.
+
+  Args:
+    sequences: B lists of token ids.
+    pad_id: the filler id.
+    length: L; defaults to the longest sequence. Longer sequences raise ValueError (truncating
+      silently would cut prompts or answers).
+    padding_side: "right" (tokens first, then padding) or "left" (padding first).
+
+  Returns:
+    (ids int32 [B, L], valid bool [B, L]).
+  """
+  if padding_side not in ("left", "right"):
+    raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
+  longest = max((len(sequence) for sequence in sequences), default=0)
+  length = longest if length is None else length
+  if longest > length:
+    raise ValueError(f"A sequence has {longest} tokens, more than length={length}.")
+  ids = np.full((len(sequences), length), pad_id, dtype=np.int32)
+  valid = np.zeros((len(sequences), length), dtype=bool)
+  for row, sequence in enumerate(sequences):
+    start = 0 if padding_side == "right" else length - len(sequence)
+    ids[row, start:start + len(sequence)] = sequence
+    valid[row, start:start + len(sequence)] = True
+  return ids, valid
+
+
+class _BatchMixin:
+  """`encode_batch` / `decode_batch` on top of a class's `encode` / `decode` and `pad_id`."""
+
+  pad_id: int
+
+  def encode_batch(self, texts: Sequence[str], *, length: int | None = None,
+                   padding_side: str = "right", add_eos: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes and pads texts: (ids int32 [B, L], valid bool [B, L]); see `pad_sequences`."""
+    encoded = [self.encode(text, add_eos=add_eos) for text in texts]
+    return pad_sequences(encoded, pad_id=self.pad_id, length=length, padding_side=padding_side)
+
+  def decode_batch(self, ids: np.ndarray | Sequence[Sequence[int]], **decode_options) -> list[str]:
+    """Decodes each row of a [B, L] array (padding and special tokens skipped by default)."""
+    return [self.decode([int(token) for token in row], **decode_options) for row in ids]
+
+
+# ---------------------------------------------------------------------------
+# Character-level tokenizer.
+# ---------------------------------------------------------------------------
+
+# Printable ASCII plus tab and newline: enough for every synthetic prompt and answer.
+DEFAULT_ALPHABET = "".join(char for char in string.printable if char not in "\x0b\x0c\r")
+CHAR_SPECIAL_TOKENS = ("<pad>", "<mask>", "<eos>", "<unk>")
+
+
+class CharTokenizer(_BatchMixin):
+  """One token per character, after four special tokens.
+
+  Ids: 0 pad, 1 mask, 2 eos, 3 unk (characters outside the alphabet), then the alphabet in
+  order. With the default alphabet the vocabulary has 101 entries.
+
+  Args:
+    alphabet: the characters, each once.
+  """
+
+  def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+    if len(set(alphabet)) != len(alphabet):
+      raise ValueError("The alphabet has repeated characters.")
+    self.alphabet = alphabet
+    self.pad_id, self.mask_id, self.eos_id, self.unk_id = range(len(CHAR_SPECIAL_TOKENS))
+    offset = len(CHAR_SPECIAL_TOKENS)
+    self._char_to_id = {char: offset + index for index, char in enumerate(alphabet)}
+    self._id_to_text = list(CHAR_SPECIAL_TOKENS) + list(alphabet)
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._id_to_text)
+
+  @property
+  def special_ids(self) -> frozenset[int]:
+    return frozenset((self.pad_id, self.mask_id, self.eos_id, self.unk_id))
+
+  def encode(self, text: str, *, add_eos: bool = False) -> list[int]:
+    """Token ids of `text` (unknown characters become `unk_id`), optionally + eos."""
+    ids = [self._char_to_id.get(char, self.unk_id) for char in text]
+    return ids + [self.eos_id] if add_eos else ids
+
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True,
+             stop_at_eos: bool = True) -> str:
+    """Text of token ids.
+
+    Args:
+      ids: token ids.
+      skip_special_tokens: drop pad / mask / eos / unk; else render them as "<pad>" etc.
+      stop_at_eos: ignore everything from the first eos on.
+    """
+    pieces = []
+    for token in ids:
+      token = int(token)
+      if stop_at_eos and token == self.eos_id:
+        break
+      if not 0 <= token < self.vocab_size:
+        raise ValueError(f"Token id {token} outside the vocabulary of {self.vocab_size}.")
+      if skip_special_tokens and token in self.special_ids:
+        continue
+      pieces.append(self._id_to_text[token])
+    return "".join(pieces)
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face tokenizer.json with the LLaDA-Instruct chat template.
+# ---------------------------------------------------------------------------
+
+LLADA_BOS = "<|startoftext|>"
+LLADA_EOS = "<|endoftext|>"
+LLADA_MASK = "<|mdm_mask|>"
+LLADA_EOT = "<|eot_id|>"
+LLADA_START_HEADER = "<|start_header_id|>"
+LLADA_END_HEADER = "<|end_header_id|>"
+
+LLADA_BOS_ID = 126080
+LLADA_EOS_ID = 126081
+LLADA_MASK_ID = 126336
+LLADA_EOT_ID = 126348
+LLADA_VOCAB_SIZE = 126464  # the embedding table size of LLaDA-8B
+
+
+def llada_chat_prompt(user_message: str, *, assistant_prefix: str = "") -> str:
+  """The LLaDA-8B-Instruct chat template for one user turn, ready for the assistant.
+
+  Args:
+    user_message: the user's content (task instruction and question).
+    assistant_prefix: text the assistant turn starts with (d1's evaluation prompts end with
+      "<reasoning>").
+  """
+  return (f"{LLADA_BOS}{LLADA_START_HEADER}user{LLADA_END_HEADER}\n\n{user_message}{LLADA_EOT}"
+          f"{LLADA_START_HEADER}assistant{LLADA_END_HEADER}\n\n{assistant_prefix}")
+
+
+class HFTokenizer(_BatchMixin):
+  """A `tokenizers.Tokenizer` (tokenizer.json) with the ids a diffusion model needs.
+
+  Text is encoded without automatic special tokens: chat prompts carry their own BOS.
+
+  Args:
+    tokenizer: the loaded `tokenizers.Tokenizer`.
+    mask_id, eos_id: required ids.
+    pad_id: defaults to eos_id (as LLaDA does).
+    bos_id, eot_id: optional; eot (end of turn) also ends decoding with `stop_at_eos`.
+    vocab_size: the model's vocabulary (embedding) size; defaults to the largest id + 1.
+  """
+
+  def __init__(self, tokenizer, *, mask_id: int, eos_id: int, pad_id: int | None = None,
+               bos_id: int | None = None, eot_id: int | None = None,
+               vocab_size: int | None = None):
+    self.tokenizer = tokenizer
+    self.mask_id = mask_id
+    self.eos_id = eos_id
+    self.pad_id = eos_id if pad_id is None else pad_id
+    self.bos_id = bos_id
+    self.eot_id = eot_id
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values())
+    self.vocab_size = max(largest + 1, vocab_size or 0)
+    self._stop_ids = frozenset(token for token in (eos_id, eot_id) if token is not None)
+
+  @classmethod
+  def from_file(cls, path: str | pathlib.Path, *, mask_token: str, eos_token: str,
+                pad_token: str | None = None, bos_token: str | None = None,
+                eot_token: str | None = None, vocab_size: int | None = None) -> "HFTokenizer":
+    """Loads tokenizer.json (or a directory holding it) and looks the special tokens up."""
+    import tokenizers  # pylint: disable=g-import-not-at-top
+
+    path = pathlib.Path(path)
+    if path.is_dir():
+      path = path / "tokenizer.json"
+    tokenizer = tokenizers.Tokenizer.from_file(str(path))
+
+    def id_of(token: str | None) -> int | None:
+      if token is None:
+        return None
+      token_id = tokenizer.token_to_id(token)
+      if token_id is None:
+        raise ValueError(f"{path} has no token {token!r}.")
+      return token_id
+
+    return cls(tokenizer, mask_id=id_of(mask_token), eos_id=id_of(eos_token),
+               pad_id=id_of(pad_token), bos_id=id_of(bos_token), eot_id=id_of(eot_token),
+               vocab_size=vocab_size)
+
+  @classmethod
+  def llada(cls, path: str | pathlib.Path, *, check_ids: bool = True) -> "HFTokenizer":
+    """LLaDA-8B-Instruct's tokenizer, with its mask / EOS / end-of-turn / BOS tokens.
+
+    Args:
+      path: tokenizer.json or the checkpoint directory.
+      check_ids: require the published ids (mask 126336, EOS 126081, EOT 126348, BOS 126080);
+        a mismatch means a different tokenizer and would silently corrupt training.
+    """
+    tokenizer = cls.from_file(path, mask_token=LLADA_MASK, eos_token=LLADA_EOS,
+                              bos_token=LLADA_BOS, eot_token=LLADA_EOT,
+                              vocab_size=LLADA_VOCAB_SIZE)
+    if check_ids:
+      expected = {"mask": LLADA_MASK_ID, "eos": LLADA_EOS_ID, "eot": LLADA_EOT_ID,
+                  "bos": LLADA_BOS_ID}
+      found = {"mask": tokenizer.mask_id, "eos": tokenizer.eos_id, "eot": tokenizer.eot_id,
+               "bos": tokenizer.bos_id}
+      if found != expected:
+        raise ValueError(f"Not LLaDA's special-token ids: found {found}, expected {expected}.")
+    return tokenizer
+
+  def encode(self, text: str, *, add_eos: bool = False) -> list[int]:
+    """Token ids; special-token strings in the text (e.g. "<|eot_id|>") map to their ids."""
+    ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    return ids + [self.eos_id] if add_eos else ids
+
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True,
+             stop_at_eos: bool = True) -> str:
+    """Text of token ids; with stop_at_eos, everything from the first EOS / end-of-turn on is
+    dropped (what rewards should see)."""
+    ids = [int(token) for token in ids]
+    if stop_at_eos:
+      # LLaDA pads with EOS: leading padding (left-padded prompts) is not an end of text.
+      start = 0
+      while start < len(ids) and ids[start] == self.pad_id:
+        start += 1
+      ids = ids[start:]
+      for index, token in enumerate(ids):
+        if token in self._stop_ids:
+          ids = ids[:index]
+          break
+    return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def chat_prompt(self, user_message: str, *, assistant_prefix: str = "") -> str:
+    """The LLaDA-Instruct template around one user message (see `llada_chat_prompt`)."""
+    return llada_chat_prompt(user_message, assistant_prefix=assistant_prefix)
+
+  def encode_chat(self, user_message: str, *, assistant_prefix: str = "") -> list[int]:
+    """Token ids of `chat_prompt`: starts with BOS, ends ready for the assistant's reply."""
+    return self.encode(self.chat_prompt(user_message, assistant_prefix=assistant_prefix))
+
+  def encode_chat_batch(self, user_messages: Sequence[str], *, length: int | None = None,
+                        assistant_prefix: str = "", padding_side: str = "left"
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Chat prompts as a batch, left-padded by default so every prompt ends at column L-1."""
+    encoded = [self.encode_chat(message, assistant_prefix=assistant_prefix)
+               for message in user_messages]
+    return pad_sequences(encoded, pad_id=self.pad_id, length=length, padding_side=padding_side)

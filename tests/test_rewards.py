@@ -1,0 +1,468 @@
+"""Rewards: the values SPEC section 9 prescribes, robustness to hostile completions, and the
+d1 evaluation protocol's extraction rules."""
+
+import fractions
+import math
+import re
+import time
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import pytest
+
+from stabledrl_jax import rewards
+from stabledrl_jax.rewards import arithmetic
+from stabledrl_jax.rewards import d1_protocol
+from stabledrl_jax.rewards import extraction
+from stabledrl_jax.rewards import format_rewards
+from stabledrl_jax.rewards import math_equivalence
+from stabledrl_jax.rewards import task_rewards
+
+SUDOKU_PUZZLE = "1034000000000000"
+SUDOKU_SOLUTION = "1234341221434321"
+SUDOKU_QUESTION = "Sudoku puzzle: " + SUDOKU_PUZZLE
+
+_NEAR_CAP = extraction.MAX_COMPLETION_CHARS - 1_000  # still scored, so still scanned
+
+
+def _answer(text: str) -> str:
+  return f"<reasoning>\nthinking\n</reasoning>\n<answer>\n{text}\n</answer>"
+
+
+# ---------------------------------------------------------------------------
+# Safe arithmetic.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("1 + 2 * 3", 7),
+    ("(1 + 2) * 3", 9),
+    ("2 - 3 - 4", -5),
+    ("8 / 4 / 2", 1),
+    ("1/3*3", 1),
+    ("-(3 - 5)", 2),
+    ("--4", 4),
+    ("2.5 * 2", 5),
+    ("(((7)))", 7),
+    (" 100 / 8 ", fractions.Fraction(25, 2)),
+])
+def test_evaluator_computes_exact_values(expression, value):
+  assert arithmetic.evaluate_arithmetic(expression).value == value
+
+
+def test_evaluator_reports_literals_in_order():
+  evaluation = arithmetic.evaluate_arithmetic("(25 - 4) * 3")
+  assert evaluation.literals == ("25", "4", "3")
+  assert evaluation.integer_literals() == [25, 4, 3]
+  assert arithmetic.evaluate_arithmetic("2.5 + 1").integer_literals() is None
+
+
+@pytest.mark.parametrize("expression", [
+    "", "1 +", "(1 + 2", "1 + 2)", "1 2", "2(3)", "1/0", "1/(2-2)", "9**9**9**9", "2**3",
+    "7//2", "2^3", "x + 1", "eval('1')", "__import__('os')", "1e3", "042", ".", "1 = 1",
+    "(" * 1000 + "1" + ")" * 1000, "-" * 100 + "1", "9" * 20, "10**15 * 10", "99999999 * 99999999",
+    "1" * 600, "1/7/7/7/7/7/7/7/7/7/7/7/7/7/7/7/7/7/7/7/7", "１+２", "1\u00a0+ 2",
+])
+def test_evaluator_rejects_everything_outside_the_grammar_or_bounds(expression):
+  assert arithmetic.evaluate_arithmetic(expression) is None
+
+
+def test_evaluator_nesting_bound_is_what_limits_depth():
+  assert arithmetic.evaluate_arithmetic("(" * 30 + "1" + ")" * 30).value == 1
+  assert arithmetic.evaluate_arithmetic("(" * 40 + "1" + ")" * 40) is None
+  assert arithmetic.evaluate_arithmetic("(" * 40 + "1" + ")" * 40, max_depth=50).value == 1
+
+
+_VALID_EXPRESSIONS = st.recursive(
+    st.integers(0, 999).map(str),
+    lambda inner: st.one_of(
+        st.tuples(inner, st.sampled_from("+-*/"), inner).map(" ".join),
+        inner.map(lambda expression: f"({expression})"),
+        inner.map(lambda expression: f"-{expression}")),
+    max_leaves=8)
+
+
+def _python_value(expression: str):
+  """Python's exact value of an expression (literals as Fractions), or None on division by 0.
+
+  Tests may use eval on generated input; the library never does.
+  """
+  exact = re.sub(r"[0-9]+", lambda match: f'F("{match.group(0)}")', expression)
+  try:
+    return eval(exact, {"__builtins__": {}, "F": fractions.Fraction})  # pylint: disable=eval-used
+  except ZeroDivisionError:
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(_VALID_EXPRESSIONS)
+def test_evaluator_agrees_with_python_on_its_grammar(expression):
+  expected = _python_value(expression)
+  unbounded = arithmetic.evaluate_arithmetic(
+      expression, max_chars=10**6, max_depth=10**4, max_magnitude=10**300)
+  if expected is None:
+    assert unbounded is None  # division by zero
+  else:
+    assert unbounded.value == expected
+  # With the default bounds, an accepted expression has the same value.
+  bounded = arithmetic.evaluate_arithmetic(expression)
+  assert bounded is None or bounded.value == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789+-*/() .", max_size=60))
+def test_evaluator_never_raises_on_its_alphabet(expression):
+  evaluation = arithmetic.evaluate_arithmetic(expression)
+  assert evaluation is None or isinstance(evaluation.value, fractions.Fraction)
+
+
+# ---------------------------------------------------------------------------
+# Countdown reward.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("completion, expected", [
+    (_answer("(25 - 4) * 3"), 1.0),
+    (_answer("3 * (25 - 4)"), 1.0),
+    (_answer("\\boxed{(25 - 4) \\times 3}"), 1.0),
+    ("The answer is \\boxed{(25-4)*3}", 1.0),
+    (_answer("25 - 4 * 3"), 0.1),            # valid, wrong value
+    (_answer("(25 - 4) * 3 * 1"), 0.1),      # a number not given
+    (_answer("(25 - 4) * 3 = 63"), 0.1),     # not an expression
+    (_answer("25 + 4 + 3 + 31"), 0.1),
+    (_answer("21 * 3"), 0.1),                # numbers not all used
+    (_answer("9**9**9**9"), 0.1),
+    (_answer("1/0"), 0.1),
+    (_answer(""), 0.1),
+    ("(25 - 4) * 3", 0.0),                   # no answer tag, no box
+    ("", 0.0),
+])
+def test_countdown_reward_levels(completion, expected):
+  assert rewards.countdown_reward(completion, [25, 4, 3], 63) == expected
+
+
+def test_countdown_reward_uses_last_answer_and_exact_arithmetic():
+  draft_then_final = _answer("25 + 4 + 3") + "\nwait\n" + _answer("(25 - 4) * 3")
+  assert rewards.countdown_reward(draft_then_final, [25, 4, 3], 63) == 1.0
+  assert rewards.countdown_reward(_answer("1 / 3 * 3 * 5"), [1, 3, 3, 5], 5) == 1.0
+  assert rewards.countdown_reward(_answer("(7 + 7) / 7"), [7, 7, 7], 2) == 1.0
+  assert rewards.countdown_reward(_answer("7 + 7 / 7"), [7, 7], 2) == 0.1
+
+
+# ---------------------------------------------------------------------------
+# Sudoku reward.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer, expected", [
+    (SUDOKU_SOLUTION, 1.0),
+    ("1234 3412 2143 4321", 1.0),
+    ("1234\n3412\n2143\n4321", 1.0),
+    (SUDOKU_PUZZLE, 0.0),
+    ("1234341221434320", 12 / 13),
+    ("12", 1 / 13),                           # padded with zeros
+    (SUDOKU_SOLUTION + "999", 1.0),           # cut to 16 cells
+    ("no digits", 0.0),
+])
+def test_sudoku_reward_is_fraction_of_blanks_filled_right(answer, expected):
+  reward = rewards.sudoku_reward(_answer(answer), SUDOKU_PUZZLE, SUDOKU_SOLUTION)
+  assert reward == pytest.approx(expected)
+
+
+def test_sudoku_reward_zero_without_answer_or_blank():
+  assert rewards.sudoku_reward(SUDOKU_SOLUTION, SUDOKU_PUZZLE, SUDOKU_SOLUTION) == 0.0
+  assert rewards.sudoku_reward(_answer(SUDOKU_SOLUTION), SUDOKU_SOLUTION, SUDOKU_SOLUTION) == 0.0
+  with pytest.raises(ValueError):
+    rewards.sudoku_reward("", SUDOKU_PUZZLE, SUDOKU_SOLUTION[:-1])
+
+
+# ---------------------------------------------------------------------------
+# GSM8K reward.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("completion, expected", [
+    (_answer("\\boxed{18}"), 1.0),
+    (_answer("18"), 1.0),
+    (_answer("$18.00"), 1.0),
+    ("so she makes 9 * 2 = 18 dollars", 1.0),          # last number
+    ("\\boxed{18} but the tag says <answer>17</answer>", 1.0),  # the box wins
+    (_answer("\\boxed{17}"), 0.0),
+    (_answer("\\boxed{\\text{eighteen}}") + " 18", 1.0),  # empty box falls through
+    ("no number at all", 0.0),
+    ("", 0.0),
+])
+def test_gsm8k_reward(completion, expected):
+  assert rewards.gsm8k_reward(completion, "Janet sells 9 eggs at $2.\n#### 18") == expected
+
+
+def test_gsm8k_reward_thousands_and_reference_forms():
+  assert rewards.gsm8k_reward(_answer("\\boxed{1,080}"), "#### 1,080") == 1.0
+  assert rewards.gsm8k_reward(_answer("\\boxed{1080}"), 1080.0) == 1.0
+  assert rewards.gsm8k_reward(_answer("-3.5"), "-3.5") == 1.0
+  with pytest.raises(ValueError):
+    rewards.gsm8k_reward("1", "#### no number")
+
+
+# ---------------------------------------------------------------------------
+# MATH reward and normalization.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prediction, reference", [
+    ("\\dfrac{1}{2}", "\\frac12"),
+    ("0.5", "\\frac{1}{2}"),
+    ("1/2", "\\frac{1}{2}"),
+    ("x = 5", "5"),
+    ("10\\%", "10"),
+    ("90^\\circ", "90"),
+    ("\\left( 1, 2 \\right)", "(1,2)"),
+    ("16\\sqrt3", "16 \\sqrt{3}"),
+    ("5 \\text{ cm}", "5"),
+    (".5", "0.5"),
+])
+def test_math_normalization_matches_equivalent_forms(prediction, reference):
+  assert math_equivalence.math_answers_match(prediction, reference)
+
+
+@pytest.mark.parametrize("prediction, reference", [
+    ("\\frac{1}{3}", "\\frac{1}{2}"), ("52_8", "42"), ("x+1", "x-1"), ("", "1"),
+])
+def test_math_normalization_keeps_different_answers_apart(prediction, reference):
+  assert not math_equivalence.math_answers_match(prediction, reference)
+
+
+def test_math_normalization_falls_back_to_raw_equality_where_the_convention_gives_up():
+  # "a/b" with non-integers, and a dangling \sqrt, cannot be normalized.
+  assert math_equivalence.normalize_math_answer("x/y") is None
+  assert math_equivalence.normalize_math_answer("2\\sqrt") is None
+  assert math_equivalence.math_answers_match("x/y", "x/y")
+  assert not math_equivalence.math_answers_match("x/y", "\\frac{x}{y}")
+
+
+def test_math_reward_boxed_then_answer_tag():
+  assert rewards.math_reward("so \\boxed{\\dfrac{3}{8}}", "\\frac{3}{8}") == 1.0
+  assert rewards.math_reward(_answer("\\frac{3}{8}"), "\\frac{3}{8}") == 1.0
+  assert rewards.math_reward(_answer("\\boxed{\\frac{3}{7}}"), "\\frac{3}{8}") == 0.0
+  assert rewards.math_reward("3/8 without any marker", "\\frac{3}{8}") == 0.0
+  # A full MATH solution as the reference: its last box is the answer.
+  assert rewards.math_reward("\\boxed{4}", "Thus $x = \\boxed{4}$.") == 1.0
+
+
+def test_math_reward_symbolic_check_adds_matches_when_math_verify_is_installed():
+  pytest.importorskip("math_verify")
+  completion = _answer("\\boxed{2x+2}")
+  assert rewards.math_reward(completion, "2(x+1)", use_math_verify=False) == 0.0
+  assert rewards.math_reward(completion, "2(x+1)", symbolic_deadline_s=5.0) == 1.0
+  assert rewards.math_reward(_answer("\\boxed{2x+3}"), "2(x+1)", symbolic_deadline_s=5.0) == 0.0
+
+
+@pytest.mark.parametrize("answer, safe", [
+    ("2x+2", True), ("x^2 + y^2", True), ("2^{10}", True), ("\\frac{\\sqrt{3}}{2}", True),
+    ("9^{9^{9^{9}}}", False), ("10^{10^{10}}", False), ("(99^{99})^{999}", False),
+    ("1000000!", False), ("9**9", False), ("\\binom{100}{50}", False), ("1" * 13, False),
+    ("x" * 200, False), ("\\frace{={", False), ("{{1}", False), ("日本", False), ("", False),
+])
+def test_symbolic_screen(answer, safe):
+  assert math_equivalence.safe_for_symbolic(answer) is safe
+
+
+def test_symbolic_deadline_interrupts_python_level_work():
+  def spin():
+    while True:
+      pass
+
+  start = time.perf_counter()
+  with pytest.raises(math_equivalence._DeadlineExceeded):  # pylint: disable=protected-access
+    math_equivalence._call_with_deadline(spin, 0.05)  # pylint: disable=protected-access
+  assert time.perf_counter() - start < 1.0
+
+
+def test_answer_parsers_behind_the_rewards():
+  assert task_rewards.countdown_expression(_answer("\\boxed{3 \\times 4}")) == "3 * 4"
+  assert task_rewards.countdown_expression("no answer") is None
+  assert task_rewards.sudoku_answer(_answer("12 | 34"), 16) == "1234000000000000"
+  assert task_rewards.gsm8k_prediction("\\boxed{} and then 7 apples") == 7.0
+  assert task_rewards.math_reference("So $x = \\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
+  assert task_rewards.math_prediction("<answer> 3 </answer>") == "3"
+
+
+# ---------------------------------------------------------------------------
+# Format rewards.
+# ---------------------------------------------------------------------------
+
+
+def test_format_rewards_on_the_canonical_layout():
+  canonical = "<reasoning>\nstep 1\nstep 2\n</reasoning>\n<answer>\n42\n</answer>\n"
+  assert format_rewards.strict_format_reward(canonical) == 1.0
+  assert format_rewards.soft_format_reward(canonical) == 1.0
+  assert format_rewards.tag_count_reward(canonical) == 1.0
+  prefilled = canonical[len("<reasoning>"):]
+  assert format_rewards.strict_format_reward(prefilled) == 0.0
+  assert format_rewards.strict_format_reward(prefilled, reasoning_prefilled=True) == 1.0
+
+
+@pytest.mark.parametrize("completion, strict, soft", [
+    ("<reasoning>x</reasoning><answer>42</answer>", 0.0, 1.0),
+    ("<reasoning>\nx\n</reasoning>\n<answer>\n42\n</answer> trailing", 0.0, 1.0),
+    ("<answer>\n42\n</answer>", 0.0, 0.0),
+    ("<reasoning>\nx\n</reasoning>\ntext\n<answer>\n42\n</answer>", 0.0, 0.0),
+    ("<reasoning>\n<reasoning>\n</reasoning>\n<answer>\n1\n</answer>", 0.0, 1.0),
+    ("", 0.0, 0.0),
+])
+def test_strict_and_soft_format(completion, strict, soft):
+  assert format_rewards.strict_format_reward(completion) == strict
+  assert format_rewards.soft_format_reward(completion) == soft
+
+
+def test_tag_count_reward_partial_credit_and_trailing_penalty():
+  assert format_rewards.tag_count_reward("<reasoning>\nx") == 0.25
+  tidy = "<reasoning>x</reasoning><answer>1</answer>"
+  assert format_rewards.tag_count_reward(tidy) == 1.0
+  assert format_rewards.tag_count_reward(tidy + "0123456789") == pytest.approx(0.99)
+  assert format_rewards.tag_count_reward(tidy + "x" * 5000) == 0.0
+
+
+def test_boxed_answer_format_reward():
+  assert format_rewards.boxed_answer_format_reward(_answer("\\boxed{3}")) == 1.0
+  assert format_rewards.boxed_answer_format_reward(_answer("3")) == 0.5
+  assert format_rewards.boxed_answer_format_reward("\\boxed{3}") == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Hostile completions: finite, never raising, fast.
+# ---------------------------------------------------------------------------
+
+_HOSTILE_CORE = [
+    "", "garbled \x00\x07\ufffd\ud7ff \x1b[31m", "9**9**9**9", "1/0", "(" * 1000 + "1" + ")" * 1000,
+    "１２３ 日本語 🙂 \u202e\u200b 𝟙𝟚", "\\boxed{" * 1000, "<answer>" * 1000,
+    "}" * 1000,
+    "\\frac" * 1000, "\\sqrt" * 1000, "9^{9^{9^{9}}}", "10^{10^{10}}", "1000000!", "nan", "inf",
+    "-" * 1000 + "1", "1e308 * 1e308", "1" * 5000,
+]
+_HOSTILE_LONG = [
+    "x" * 1_000_000, "1" * 1_000_000, "(" * 1_000_000, "<answer>" * 125_000,
+    "1+" * (_NEAR_CAP // 2), "(" * _NEAR_CAP, "{" * _NEAR_CAP, "<answer>" * (_NEAR_CAP // 8),
+    "\\boxed{" * (_NEAR_CAP // 7), "1,1" * (_NEAR_CAP // 3), "=1 " * (_NEAR_CAP // 3),
+    "\n</reasoning>\n<answer>\n" * (_NEAR_CAP // 22), "```" * (_NEAR_CAP // 3),
+]
+
+
+def _wrapped(core: str) -> list[str]:
+  return [core, _answer(core), f"\\boxed{{{core}}}", _answer(f"\\boxed{{{core}}}")]
+
+
+HOSTILE = [variant for core in _HOSTILE_CORE for variant in _wrapped(core)] + _HOSTILE_LONG
+
+REWARDS = {
+    "countdown": lambda completion: rewards.countdown_reward(completion, [25, 4, 3], 63),
+    "sudoku": lambda completion: rewards.sudoku_reward(completion, SUDOKU_PUZZLE, SUDOKU_SOLUTION),
+    "gsm8k": lambda completion: rewards.gsm8k_reward(completion, "#### 18"),
+    "math": lambda completion: rewards.math_reward(completion, "\\frac{1}{2}"),
+    "strict_format": format_rewards.strict_format_reward,
+    "soft_format": format_rewards.soft_format_reward,
+    "tag_count": format_rewards.tag_count_reward,
+    "boxed_format": format_rewards.boxed_answer_format_reward,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_math_verify():
+  # The first math_reward imports and warms up math-verify (~1 s, once); time only warm calls.
+  rewards.math_reward("\\boxed{0.5}", "1/3")
+
+
+@pytest.mark.parametrize("name", sorted(REWARDS))
+def test_rewards_are_finite_and_fast_on_hostile_completions(name):
+  reward = REWARDS[name]
+  slowest = (0.0, "")
+  for completion in HOSTILE:
+    seconds = math.inf
+    for _ in range(2):  # best of two: the machine is shared
+      start = time.perf_counter()
+      value = reward(completion)
+      seconds = min(seconds, time.perf_counter() - start)
+    assert isinstance(value, float) and math.isfinite(value) and 0.0 <= value <= 1.0
+    slowest = max(slowest, (seconds, completion[:40]))
+  assert slowest[0] < 0.05, f"{name} took {slowest[0] * 1e3:.1f} ms on {slowest[1]!r}"
+
+
+@pytest.mark.parametrize("name", sorted(REWARDS))
+@settings(max_examples=60, deadline=None)
+@given(core=st.text(max_size=300), wrapper=st.sampled_from(["{}", "<answer>{}</answer>",
+                                                             "\\boxed{{{}}}", "{}</answer>"]))
+def test_rewards_never_raise_on_fuzzed_text(name, core, wrapper):
+  value = REWARDS[name](wrapper.format(core))
+  assert isinstance(value, float) and math.isfinite(value) and 0.0 <= value <= 1.0
+
+
+_TOKENS = st.sampled_from([
+    "<answer>", "</answer>", "<reasoning>", "</reasoning>", "\\boxed{", "{", "}", "(", ")",
+    "25", "4", "3", "63", "18", "1234", SUDOKU_SOLUTION, "+", "-", "*", "/", "=", " ", "\n",
+    "\\frac", "\\sqrt", "^", "x", ".", ",", "$", "<|eot_id|>", "```",
+])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_TOKENS, max_size=30).map("".join))
+def test_rewards_and_protocol_never_raise_on_structured_noise(completion):
+  for reward in REWARDS.values():
+    value = reward(completion)
+    assert math.isfinite(value) and 0.0 <= value <= 1.0
+  d1_protocol.gsm8k_correct(completion, 18.0)
+  d1_protocol.math_correct(completion, "\\frac{1}{2}")
+  d1_protocol.countdown_correct(completion, [25, 4, 3], 63)
+  correct, blanks = d1_protocol.sudoku_cells_correct(completion, SUDOKU_QUESTION, SUDOKU_SOLUTION)
+  assert 0 <= correct <= blanks == 13
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=3, max_size=3), st.integers(1, 100))
+def test_countdown_reward_only_pays_for_true_solutions(numbers, target):
+  a, b, c = numbers
+  completion = _answer(f"{a} + {b} - {c}")
+  expected = 1.0 if a + b - c == target else 0.1
+  assert rewards.countdown_reward(completion, numbers, target) == expected
+
+
+# ---------------------------------------------------------------------------
+# d1 protocol rules (the table reproduction is in test_evaluation.py).
+# ---------------------------------------------------------------------------
+
+
+def test_d1_gsm8k_takes_first_numeric_box_then_first_answer_tag():
+  assert d1_protocol.gsm8k_prediction("\\boxed{...} then \\boxed{12} then \\boxed{13}") == 12.0
+  assert d1_protocol.gsm8k_prediction("\\boxed{x = 7 or 8}") == 7.0
+  assert d1_protocol.gsm8k_prediction("<answer>the total is 5 or 6</answer>") == 6.0
+  assert d1_protocol.gsm8k_prediction("\\boxed{1,000}") == 1.0  # the protocol's comma quirk
+  assert d1_protocol.gsm8k_prediction("\\boxed{12\n}") is None  # boxes do not span lines
+  assert d1_protocol.gsm8k_prediction("the answer is 12") is None  # no last-number fallback
+  assert not d1_protocol.gsm8k_correct("\\boxed{12}", None)
+
+
+def test_d1_math_whole_generation_without_box():
+  assert d1_protocol.math_prediction("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
+  assert d1_protocol.math_prediction("no box <answer> 3 </answer>") == "no box <answer> 3 </answer>"
+  assert d1_protocol.math_prediction("\\boxed{3 <answer> 4 </answer>") == "4"  # unclosed box
+  assert d1_protocol.math_prediction("\\fbox{5}") == "\\fbox{5}"
+
+
+def test_d1_countdown_extraction():
+  assert d1_protocol.countdown_equation("\\boxed{(25 - 4) \\times 3}") == "(25 - 4) * 3"
+  assert d1_protocol.countdown_equation("\\boxed{25 + 4 + 3 = 32}") == "25 + 4 + 3"
+  assert d1_protocol.countdown_correct("\\boxed{(25 - 4) * 3}", [25, 4, 3], 63)
+  assert d1_protocol.countdown_correct("first 25-4 = 21 then", [25, 4], 21)
+  assert not d1_protocol.countdown_correct("\\boxed{25 - 4\n* 3}", [25, 4, 3], 63)  # as eval()
+  assert d1_protocol.countdown_correct("\\boxed{(25 - 4\n) * 3}", [25, 4, 3], 63)
+
+
+def test_d1_sudoku_pattern_order_and_padding():
+  fenced = "<answer>\n```\n1234 3412\n```\n</answer>"
+  assert d1_protocol.sudoku_solution(fenced) == "1234341200000000"
+  assert d1_protocol.sudoku_solution("<answer>\n1234341221434321<|eot_id|>") == SUDOKU_SOLUTION
+  assert d1_protocol.sudoku_solution(f"grid {SUDOKU_SOLUTION} done") == SUDOKU_SOLUTION
+  assert d1_protocol.sudoku_solution("no grid here") == ""
+  assert d1_protocol.sudoku_cells_correct(_answer(SUDOKU_SOLUTION), SUDOKU_QUESTION,
+                                          SUDOKU_SOLUTION) == (13, 13)
+  assert d1_protocol.sudoku_puzzle(SUDOKU_PUZZLE + " rest") == SUDOKU_PUZZLE
