@@ -1,0 +1,168 @@
+"""LLaDA's layers: Linear, Embed, RMSNorm, rotary embeddings, SwiGLU MLP, Attention.
+
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds *logical* axis names, one
+per array dimension (see `sharding.py` for the names and the default rules that map them to the
+mesh axes ('data', 'fsdp', 'tensor')). The annotations are created with `eager_sharding=False`,
+so a model can be built without a mesh (CPU tests); the trainer places the parameters with
+`sharding.param_shardings` (or `nnx.get_partition_spec` under `flax.linen.logical_axis_rules`).
+
+Parameters are stored in `param_dtype` and cast to the compute `dtype` at use; normalization
+statistics, rotary embeddings and the attention softmax are computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+# Logical axis names (see sharding.py).
+AX_VOCAB, AX_EMBED, AX_MLP, AX_HEADS, AX_KV_HEADS, AX_NORM = (
+    "vocab", "embed", "mlp", "heads", "kv_heads", "norm")
+
+
+def annotated_param(key: Array, shape: tuple[int, ...], *, std: float | None, dtype: Any,
+                    axes: tuple[str, ...]) -> nnx.Param:
+  """A parameter ~ N(0, std^2) truncated at 3 std (ones if std is None), with axis names."""
+  if len(axes) != len(shape):
+    raise ValueError(f"{len(axes)} axis names {axes} for a parameter of shape {shape}")
+  if std is None:
+    value = jnp.ones(shape, dtype)
+  else:
+    value = std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
+    value = value.astype(dtype)
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel, no bias. kernel: [in, out] (the transpose of a torch Linear weight)."""
+
+  def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], std: float,
+               dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+    self.kernel = annotated_param(rngs.params(), (in_features, out_features), std=std,
+                                  dtype=param_dtype, axes=axes)
+    self.dtype = dtype
+
+  def __call__(self, x: Array, out_dtype: Any = None) -> Array:
+    """x: [..., in] -> [..., out] in `out_dtype` (default: the compute dtype)."""
+    kernel = self.kernel[...].astype(self.dtype)
+    return jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel,
+                      preferred_element_type=out_dtype or self.dtype)
+
+
+class Embed(nnx.Module):
+  """Token embedding table: embedding [num_embeddings, features]."""
+
+  def __init__(self, num_embeddings: int, features: int, *, std: float, dtype: Any,
+               param_dtype: Any, rngs: nnx.Rngs):
+    self.embedding = annotated_param(rngs.params(), (num_embeddings, features), std=std,
+                                     dtype=param_dtype, axes=(AX_VOCAB, AX_EMBED))
+    self.dtype = dtype
+
+  def __call__(self, tokens: Array) -> Array:
+    """tokens: [B, L] int -> [B, L, D]."""
+    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """x / sqrt(mean(x^2) + eps) in float32, cast back to the compute dtype, times a learned scale."""
+
+  def __init__(self, features: int, *, eps: float, dtype: Any, param_dtype: Any):
+    self.weight = annotated_param(None, (features,), std=None, dtype=param_dtype,
+                                  axes=(AX_NORM,))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return normed.astype(self.dtype) * self.weight[...].astype(self.dtype)
+
+
+def rotary_angles(length: int, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """cos, sin: [L, head_dim] float32 for positions 0..L-1, rotate-half layout.
+
+  inv_freq_j = theta^(-2j / head_dim), j < head_dim / 2; angle = position * inv_freq, repeated
+  for both halves of the head dimension.
+  """
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
+  """x: [B, L, N, head_dim] -> x * cos + rotate_half(x) * sin, computed in float32."""
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  out = x32 * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+  return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ff_out(silu(ff_proj(x)) * up_proj(x))."""
+
+  def __init__(self, d_model: int, hidden: int, *, out_std: float, dtype: Any, param_dtype: Any,
+               rngs: nnx.Rngs):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.ff_proj = Linear(d_model, hidden, axes=(AX_EMBED, AX_MLP), std=d_model**-0.5, **kw)
+    self.up_proj = Linear(d_model, hidden, axes=(AX_EMBED, AX_MLP), std=d_model**-0.5, **kw)
+    self.ff_out = Linear(hidden, d_model, axes=(AX_MLP, AX_EMBED), std=out_std, **kw)
+
+  def __call__(self, x: Array) -> Array:
+    return self.ff_out(jax.nn.silu(self.ff_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+  """Bidirectional multi-head attention with grouped-query support and RoPE on q and k.
+
+  q_proj: [D, H * hd], k_proj / v_proj: [D, K * hd], attn_out: [H * hd, D]. Query head h uses
+  key/value head h // (H / K), as torch's repeat_kv does. Scores are q.k / sqrt(hd), accumulated
+  and soft-maxed in float32; keys where `key_mask` is False get zero weight.
+  """
+
+  def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, out_std: float, dtype: Any,
+               param_dtype: Any, rngs: nnx.Rngs):
+    self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+    self.head_dim = d_model // n_heads
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    std = d_model**-0.5
+    q_width, kv_width = n_heads * self.head_dim, n_kv_heads * self.head_dim
+    self.q_proj = Linear(d_model, q_width, axes=(AX_EMBED, AX_HEADS), std=std, **kw)
+    self.k_proj = Linear(d_model, kv_width, axes=(AX_EMBED, AX_KV_HEADS), std=std, **kw)
+    self.v_proj = Linear(d_model, kv_width, axes=(AX_EMBED, AX_KV_HEADS), std=std, **kw)
+    self.attn_out = Linear(q_width, d_model, axes=(AX_HEADS, AX_EMBED), std=out_std, **kw)
+    self.dtype = dtype
+
+  def __call__(self, x: Array, cos: Array, sin: Array, key_mask: Array | None,
+               span: tuple[Array | int, int] | None = None) -> Array:
+    """x: [B, L, D]; cos, sin: [L, hd]; key_mask: [B, L] bool or None -> [B, L, D].
+
+    With span = (start, n), only the queries at positions start..start+n-1 are computed (keys and
+    values still cover every position) and the output is [B, n, D].
+    """
+    b, length, _ = x.shape
+    groups = self.n_heads // self.n_kv_heads
+    xq, cos_q, sin_q = x, cos, sin
+    if span is not None:
+      start, length = span
+      xq = jax.lax.dynamic_slice_in_dim(x, start, length, axis=1)
+      cos_q = jax.lax.dynamic_slice_in_dim(cos, start, length, axis=0)
+      sin_q = jax.lax.dynamic_slice_in_dim(sin, start, length, axis=0)
+    q = apply_rotary(self.q_proj(xq).reshape(b, length, self.n_heads, self.head_dim), cos_q, sin_q)
+    q = q.reshape(b, length, self.n_kv_heads, groups, self.head_dim)
+    k = self.k_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)
+    k = apply_rotary(k, cos, sin)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (self.head_dim**-0.5)
+    if key_mask is not None:
+      scores = jnp.where(key_mask[:, None, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(self.dtype))
+    return self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))

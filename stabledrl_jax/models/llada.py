@@ -1,0 +1,160 @@
+"""LLaDA: a LLaMA-style transformer with bidirectional attention and no time conditioning.
+
+    h_0 = wte[tokens]
+    h   = h + attn_out(Attention(attn_norm(h)))          for each of the n_layers blocks
+    h   = h + ff_out(silu(ff_proj(ff_norm(h))) * up_proj(ff_norm(h)))
+    logits = lm_head(ln_f(h))                             untied output head, width embedding_size
+
+`model(tokens, attention_mask)` returns logits [B, L, embedding_size]. The two halves are also
+exposed, `encode` (tokens -> final normed hidden states) and `unembed` (hidden -> logits), so that
+callers that need logits at a few positions only (the sampler needs one block) skip the rest of
+the output projection, which is the largest matmul of a small model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stabledrl_jax.models import layers
+from stabledrl_jax.models import sharding as sharding_lib
+from stabledrl_jax.models.config import ModelConfig
+
+Array = jax.Array
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention then SwiGLU MLP."""
+
+  def __init__(self, config: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
+    # LLaDA/OLMo "mitchell" init: std 1/sqrt(fan_in), output projections also / sqrt(2 (i + 1)).
+    depth_scale = 1.0 / math.sqrt(2.0 * (layer_index + 1))
+    self.attn_norm = layers.RMSNorm(config.d_model, eps=config.rms_norm_eps, **kw)
+    self.attn = layers.Attention(config.d_model, config.n_heads, config.n_kv_heads,
+                                 out_std=config.d_model**-0.5 * depth_scale, rngs=rngs, **kw)
+    self.ff_norm = layers.RMSNorm(config.d_model, eps=config.rms_norm_eps, **kw)
+    self.mlp = layers.MLP(config.d_model, config.mlp_hidden_size,
+                          out_std=config.mlp_hidden_size**-0.5 * depth_scale, rngs=rngs, **kw)
+
+  def __call__(self, x: Array, cos: Array, sin: Array, key_mask: Array | None,
+               span: tuple[Array | int, int] | None = None) -> Array:
+    """x: [B, L, D] -> [B, L, D], or [B, n, D] for the positions of span = (start, n)."""
+    residual = x if span is None else jax.lax.dynamic_slice_in_dim(x, span[0], span[1], axis=1)
+    x = residual + self.attn(self.attn_norm(x), cos, sin, key_mask, span)
+    return x + self.mlp(self.ff_norm(x))
+
+
+def _apply_block(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array | None) -> Array:
+  return block(x, cos, sin, key_mask)
+
+
+_apply_block_remat = nnx.remat(_apply_block)
+
+
+def _span_block_fn(length: int):
+  """Applies a block to the queries of positions start..start+length-1 (length static)."""
+
+  def apply(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array | None,
+            start: Array | int) -> Array:
+    return block(x, cos, sin, key_mask, (start, length))
+
+  return apply
+
+
+class LLaDA(nnx.Module):
+  """The LLaDA masked diffusion transformer.
+
+  Args:
+    config: shapes, special tokens and dtypes.
+    rngs: parameter initialization keys (`nnx.Rngs(seed)`).
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
+    self.wte = layers.Embed(config.embedding_size, config.d_model, std=config.d_model**-0.5,
+                            rngs=rngs, **kw)
+    self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layers)])
+    self.ln_f = layers.RMSNorm(config.d_model, eps=config.rms_norm_eps, **kw)
+    self.lm_head = layers.Linear(config.d_model, config.embedding_size,
+                                 axes=(layers.AX_EMBED, layers.AX_VOCAB), std=config.d_model**-0.5,
+                                 rngs=rngs, **kw)
+
+  def encode(self, tokens: Array, attention_mask: Array | None = None, *,
+             span: tuple[Array | int, int] | None = None) -> Array:
+    """Final hidden states after ln_f.
+
+    Args:
+      tokens: [B, L] int token ids.
+      attention_mask: [B, L] bool, True for real tokens; padding keys get no attention weight.
+        None: every position is attended to (LLaDA's default).
+      span: (start, n) with n static and start an int or a traced scalar: return the hidden
+        states of positions start..start+n-1 only. The last block then computes only those
+        queries and their MLP (exactly the same values; less work when n << L).
+
+    Returns:
+      [B, L, D] (or [B, n, D] with span) in the compute dtype.
+    """
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [B, L], got shape {tokens.shape}")
+    if attention_mask is not None:
+      attention_mask = attention_mask.astype(bool)
+    cos, sin = layers.rotary_angles(tokens.shape[1], self.config.head_dim, self.config.rope_theta)
+    x = self.wte(tokens)
+    apply = _apply_block_remat if self.config.remat else _apply_block
+    *body, last = self.blocks
+    for block in body:
+      x = apply(block, x, cos, sin, attention_mask)
+    if span is None:
+      x = apply(last, x, cos, sin, attention_mask)
+    else:
+      start, length = span
+      apply_span = _span_block_fn(int(length))
+      if self.config.remat:
+        apply_span = nnx.remat(apply_span)
+      x = apply_span(last, x, cos, sin, attention_mask, start)
+    return self.ln_f(x)
+
+  def unembed(self, hidden: Array) -> Array:
+    """hidden: [..., D] -> logits [..., embedding_size] in `config.logits_dtype`."""
+    return self.lm_head(hidden, out_dtype=self.config.logits_dtype)
+
+  def __call__(self, tokens: Array, attention_mask: Array | None = None) -> Array:
+    """tokens: [B, L] int -> logits [B, L, embedding_size] (see `encode` for the mask)."""
+    return self.unembed(self.encode(tokens, attention_mask))
+
+
+def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
+               rules: sharding_lib.LogicalRules = sharding_lib.LOGICAL_AXIS_RULES) -> LLaDA:
+  """A freshly initialized LLaDA; with a mesh, each parameter is created directly in its shards."""
+  if mesh is None:
+    return LLaDA(config, rngs=nnx.Rngs(seed))
+  sharding_lib.check_auto_mesh(mesh)
+  abstract = nnx.eval_shape(lambda: LLaDA(config, rngs=nnx.Rngs(seed)))
+  shardings = sharding_lib.param_shardings(abstract, mesh, rules)
+
+  @jax.jit
+  def init():
+    state = nnx.state(LLaDA(config, rngs=nnx.Rngs(seed)))
+    return jax.lax.with_sharding_constraint(state, shardings)
+
+  return nnx.merge(nnx.graphdef(abstract), init())
+
+
+@functools.lru_cache(maxsize=32)
+def count_params(config: ModelConfig) -> int:
+  """Number of parameters of `LLaDA(config)`, counted from the module's abstract shapes."""
+  abstract = nnx.eval_shape(lambda: LLaDA(config, rngs=nnx.Rngs(0)))
+  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+  return int(sum(np.prod(leaf.shape) for leaf in leaves))
+
+
+def param_bytes(config: ModelConfig, dtype=jnp.bfloat16) -> int:
+  """Bytes taken by the parameters of `LLaDA(config)` stored in `dtype`."""
+  return count_params(config) * jnp.dtype(dtype).itemsize

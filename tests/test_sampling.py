@@ -1,0 +1,247 @@
+"""The low-confidence remasking sampler: schedule, determinism, known answers, CFG, EOS, and
+agreement with a plain numpy transcription of LLaDA's reference generate loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stabledrl_jax import models
+from stabledrl_jax.sampling import completion_mask, generate, num_transfer_tokens
+
+CONFIG = models.get_config("tiny")
+MASK, EOS, V = CONFIG.mask_token_id, CONFIG.eos_token_id, CONFIG.embedding_size
+
+
+class TableModel(nnx.Module):
+  """A hand-built 'model' whose logits at position i are table[i], whatever the input.
+
+  With `uncond_table`, rows whose first token is the mask token (the unconditional CFG pass, which
+  masks the prompt) get uncond_table instead.
+  """
+
+  def __init__(self, table, uncond_table=None):
+    self.config = CONFIG
+    self.table = nnx.Variable(jnp.asarray(table, jnp.float32))
+    self.uncond = nnx.Variable(jnp.asarray(table if uncond_table is None else uncond_table,
+                                           jnp.float32))
+
+  def encode(self, tokens, attention_mask=None, *, span=None):
+    masked_prompt = (tokens[:, 0] == MASK)[:, None, None]
+    hidden = jnp.where(masked_prompt, self.uncond[...][None], self.table[...][None])
+    return jax.lax.dynamic_slice_in_dim(hidden, span[0], span[1], axis=1) if span else hidden
+
+  def unembed(self, hidden):
+    return hidden
+
+
+def answer_table(length, answer_start, answer, margins):
+  """Logits preferring answer[j] at position answer_start + j by margins[j] (nats)."""
+  table = np.zeros((length, V), np.float32)
+  for j, (token, margin) in enumerate(zip(answer, margins)):
+    table[answer_start + j, token] = margin
+  return table
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return models.LLaDA(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def prompt():
+  return jax.random.randint(jax.random.key(7), (3, 5), 0, 100, jnp.int32)
+
+
+def test_num_transfer_tokens_follows_llada_schedule():
+  got = num_transfer_tokens(jnp.array([8, 7, 3, 0]), 3)
+  np.testing.assert_array_equal(got, [[3, 3, 2], [3, 2, 2], [1, 1, 1], [0, 0, 0]])
+  for n in range(0, 40):
+    for steps in range(1, 12):
+      row = np.asarray(num_transfer_tokens(jnp.array([n]), steps))[0]
+      assert row.sum() == n and row.max() - row.min() <= 1 and np.all(np.diff(row) <= 0)
+
+
+def test_prompt_untouched_no_mask_left_and_schedule_kept(tiny, prompt):
+  gen_length, block_length, steps = 16, 8, 6  # 3 steps per block: 3, 3, 2 tokens
+  for kwargs in (dict(), dict(temperature=1.0), dict(remasking="random", temperature=0.5)):
+    tokens, reveal = generate(tiny, prompt, key=jax.random.key(0), gen_length=gen_length,
+                              steps=steps, block_length=block_length, return_reveal_step=True,
+                              **kwargs)
+    assert tokens.shape == (3, 5 + gen_length)
+    np.testing.assert_array_equal(tokens[:, :5], prompt)
+    assert not np.any(np.asarray(tokens) == MASK), kwargs
+    schedule = [3, 3, 2, 3, 3, 2]
+    for row in np.asarray(reveal):
+      np.testing.assert_array_equal(np.bincount(row, minlength=steps), schedule)
+      # Blocks are decoded left to right: block 0 in steps 0-2, block 1 in steps 3-5.
+      assert row[:8].max() <= 2 and row[8:].min() >= 3
+
+
+def test_steps_equal_to_gen_length_reveal_one_token_per_step(tiny, prompt):
+  _, reveal = generate(tiny, prompt, key=jax.random.key(0), gen_length=8, steps=8,
+                       block_length=4, return_reveal_step=True)
+  for row in np.asarray(reveal):
+    np.testing.assert_array_equal(np.sort(row), np.arange(8))
+
+
+def test_greedy_output_does_not_depend_on_the_key(tiny, prompt):
+  run = lambda seed: generate(tiny, prompt, key=jax.random.key(seed), gen_length=16, steps=8,
+                              block_length=8)
+  np.testing.assert_array_equal(run(0), run(1))
+
+
+def test_sampling_is_reproducible_from_the_key(tiny, prompt):
+  run = lambda seed: np.asarray(generate(tiny, prompt, key=jax.random.key(seed), gen_length=16,
+                                         steps=8, block_length=8, temperature=1.0))
+  np.testing.assert_array_equal(run(3), run(3))
+  assert not np.array_equal(run(3), run(4))
+
+
+def test_hand_built_model_produces_its_answer_most_confident_first():
+  prompt = jnp.array([[1, 2, 3]], jnp.int32)
+  answer = [10, 20, 30, 40, 50, 60, 70, 80]
+  margins = [2.0, 6.0, 1.0, 5.0, 3.0, 8.0, 4.0, 7.0]
+  model = TableModel(answer_table(11, 3, answer, margins))
+  tokens, reveal = generate(model, prompt, key=jax.random.key(0), gen_length=8, steps=8,
+                            block_length=8, return_reveal_step=True)
+  np.testing.assert_array_equal(tokens[0, 3:], answer)
+  # One token per step, in decreasing order of the model's confidence.
+  np.testing.assert_array_equal(np.argsort(np.asarray(reveal[0])), np.argsort(-np.array(margins)))
+  # Within semi-autoregressive blocks of 4, the confidence order holds inside each block.
+  _, reveal = generate(model, prompt, key=jax.random.key(0), gen_length=8, steps=8,
+                       block_length=4, return_reveal_step=True)
+  np.testing.assert_array_equal(reveal[0], [2, 0, 3, 1, 7, 4, 6, 5])
+
+
+def test_confidence_is_the_probability_of_the_prediction_not_its_logit():
+  prompt = jnp.array([[1, 2, 3]], jnp.int32)
+  table = np.zeros((5, V), np.float32)
+  table[3, 10], table[3, 11] = 5.0, 4.95  # top logit 5.0 but p = 0.36: a close runner-up
+  table[4, 20] = 4.5                      # top logit 4.5, p = 0.42
+  _, reveal = generate(TableModel(table), prompt, key=jax.random.key(0), gen_length=2, steps=2,
+                       block_length=2, return_reveal_step=True)
+  np.testing.assert_array_equal(reveal[0], [1, 0])
+
+
+def test_random_remasking_still_decodes_the_argmax():
+  prompt = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+  answer = [11, 22, 33, 44, 55, 66, 77, 88]
+  model = TableModel(answer_table(11, 3, answer, [4.0] * 8))
+  tokens, reveal = generate(model, prompt, key=jax.random.key(5), gen_length=8, steps=8,
+                            block_length=8, remasking="random", return_reveal_step=True)
+  np.testing.assert_array_equal(tokens[:, 3:], [answer, answer])
+  orders = {tuple(np.asarray(r)) for r in reveal}
+  assert len(orders) == 2  # rows draw different random reveal orders
+
+
+def test_classifier_free_guidance_combines_conditional_and_unconditional_logits():
+  prompt = jnp.array([[1, 2, 3]], jnp.int32)
+  cond = np.zeros((7, V), np.float32)
+  uncond = np.zeros((7, V), np.float32)
+  cond[3:, 10], cond[3:, 20] = 1.0, 0.9      # the conditional pass prefers 10, barely
+  uncond[3:, 10], uncond[3:, 20] = 1.0, 0.0  # the unconditional pass prefers 10 more
+  model = TableModel(cond, uncond)
+  run = lambda scale: generate(model, prompt, key=jax.random.key(0), gen_length=4, steps=4,
+                               block_length=4, cfg_scale=scale)
+  np.testing.assert_array_equal(run(0.0)[0, 3:], [10] * 4)
+  # uncond + 2 (cond - uncond): 10 -> 1.0, 20 -> 1.8.
+  np.testing.assert_array_equal(run(1.0)[0, 3:], [20] * 4)
+
+
+def test_stop_at_eos_fills_after_the_first_eos_and_skips_later_blocks():
+  prompt = jnp.array([[1, 2, 3]], jnp.int32)
+  answer = [10, 11, EOS, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+  model = TableModel(answer_table(15, 3, answer, [3.0] * 12))
+  full = generate(model, prompt, key=jax.random.key(0), gen_length=12, steps=6, block_length=4)
+  np.testing.assert_array_equal(full[0, 3:], answer)
+  tokens, reveal = generate(model, prompt, key=jax.random.key(0), gen_length=12, steps=6,
+                            block_length=4, stop_at_eos=True, return_reveal_step=True)
+  np.testing.assert_array_equal(tokens[0, 3:], [10, 11, EOS] + [EOS] * 9)
+  assert np.all(np.asarray(reveal[0, 4:]) == -1)  # blocks 2 and 3 were never run
+  np.testing.assert_array_equal(completion_mask(tokens, 3, EOS)[0], [1, 1, 1] + [0] * 9)
+
+
+def test_completion_mask():
+  tokens = jnp.array([[0, 5, EOS, 5, EOS], [0, 5, 5, 5, 5]])
+  np.testing.assert_array_equal(completion_mask(tokens, 1, EOS),
+                                [[1, 1, 0, 0], [1, 1, 1, 1]])
+
+
+def reference_generate(logits_fn, prompt, gen_length, steps, block_length, cfg_scale=0.0):
+  """LLaDA's generate() (greedy, low_confidence) transcribed to numpy.
+
+  The one intended difference: the mask token's logit is set to -inf (our sampler never
+  reveals a mask token).
+  """
+  batch, prompt_len = prompt.shape
+  x = np.full((batch, prompt_len + gen_length), MASK, np.int64)
+  x[:, :prompt_len] = prompt
+  prompt_index = x != MASK
+  num_blocks = gen_length // block_length
+  steps_per_block = steps // num_blocks
+  for block in range(num_blocks):
+    lo = prompt_len + block * block_length
+    hi = lo + block_length
+    block_masked = (x[:, lo:hi] == MASK).sum(1)
+    schedule = np.array([[n // steps_per_block + (i < n % steps_per_block)
+                          for i in range(steps_per_block)] for n in block_masked])
+    for i in range(steps_per_block):
+      mask_index = x == MASK
+      if cfg_scale > 0:
+        un_x = np.where(prompt_index, MASK, x)
+        both = np.asarray(logits_fn(np.concatenate([x, un_x])), np.float64)
+        logits = both[batch:] + (cfg_scale + 1) * (both[:batch] - both[batch:])
+      else:
+        logits = np.asarray(logits_fn(x), np.float64)
+      logits[..., MASK] = -np.inf
+      x0 = logits.argmax(-1)
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      x0_p = np.take_along_axis(p, x0[..., None], -1)[..., 0]
+      x0_p[:, hi:] = -np.inf
+      x0 = np.where(mask_index, x0, x)
+      confidence = np.where(mask_index, x0_p, -np.inf)
+      for j in range(batch):
+        chosen = np.argsort(-confidence[j], kind="stable")[:schedule[j, i]]
+        x[j, chosen] = x0[j, chosen]
+  return x
+
+
+@pytest.fixture(scope="module")
+def peaked():
+  """The tiny model with logits scaled x4: peaked distributions, as a trained model has, so that
+  the probability order of the predictions differs from their logit order."""
+  model = models.LLaDA(CONFIG, rngs=nnx.Rngs(1))
+  model.lm_head.kernel[...] = 4.0 * model.lm_head.kernel[...]
+  return model
+
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 0.5])
+def test_matches_the_reference_loop(peaked, prompt, cfg_scale):
+  logits_fn = jax.jit(lambda t: peaked(jnp.asarray(t, jnp.int32)))
+  want = reference_generate(logits_fn, np.asarray(prompt), 16, 8, 8, cfg_scale)
+  got = generate(peaked, prompt, key=jax.random.key(0), gen_length=16, steps=8, block_length=8,
+                 cfg_scale=cfg_scale)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_left_padded_prompts_decode_like_unpadded_ones(tiny, prompt):
+  pad = 3
+  padded = jnp.concatenate([jnp.zeros((3, pad), jnp.int32), prompt], axis=1)
+  prompt_mask = jnp.arange(pad + 5)[None].repeat(3, 0) >= pad
+  got = generate(tiny, padded, key=jax.random.key(0), gen_length=8, steps=4, block_length=8,
+                 prompt_mask=prompt_mask)
+  want = generate(tiny, prompt, key=jax.random.key(0), gen_length=8, steps=4, block_length=8)
+  np.testing.assert_array_equal(got[:, pad:], want)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gen_length=10, block_length=4, steps=4), "multiple of block_length"),
+    (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
+    (dict(gen_length=8, block_length=4, steps=4, remasking="top_p"), "remasking"),
+])
+def test_invalid_arguments_are_rejected(tiny, prompt, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    generate(tiny, prompt, key=jax.random.key(0), **kwargs)
