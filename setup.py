@@ -23,6 +23,7 @@ setuptools.setup(
         "tokenizers>=0.20",
         "tqdm>=4.66",
         "tensorboardX>=2.6",
+        "matplotlib>=3.7",  # experiments/ plots (quickstart run, stress test)
         "math-verify>=0.7",
     ],
     extras_require={

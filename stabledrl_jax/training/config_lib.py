@@ -1,0 +1,238 @@
+"""Experiment configs: the full default tree, validation, and what the step needs from it.
+
+Config files (``configs/*.py``) start from ``base_config()`` and override
+fields; every field exists in every config, so ``--config.a.b=value`` works
+for all of them. ``validate`` runs before anything is compiled and names the
+offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from stabledrl_jax import losses
+from stabledrl_jax.training import rl_loss
+
+OBJECTIVE_NAMES = ("grpo", "espo", "spg", "wd1", "stabledrl")
+ESTIMATOR_METHODS = ("mean_field", "elbo", "block_random")
+
+# The paper's estimator for each objective, used when config.estimator.method is ''.
+_DEFAULT_METHOD = {
+    ("grpo", "token"): "mean_field",
+    ("grpo", "sequence"): "elbo",
+    ("espo", None): "elbo",
+    ("spg", None): "block_random",
+    ("wd1", None): "mean_field",
+    ("stabledrl", None): "block_random",
+}
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field, with the paper-scale defaults (SPEC section 8) where they apply."""
+  c = ml_collections.ConfigDict()
+  c.seed = 113
+
+  c.model = ml_collections.ConfigDict(dict(
+      name="tiny",  # models.get_config name: tiny | small | llada_8b
+      checkpoint="",  # Hugging Face checkpoint directory; '' = random init (or the SFT start)
+      overrides=ml_collections.ConfigDict(),  # ModelConfig field overrides
+      dtype="float32",  # compute dtype of activations
+      param_dtype="float32",
+      remat=False,
+  ))
+  c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
+  c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False))
+  c.data = ml_collections.ConfigDict(dict(
+      train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
+      generator=ml_collections.ConfigDict()))
+
+  c.rollout = ml_collections.ConfigDict(dict(
+      num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
+      block_length=32, temperature=0.9, remasking="low_confidence"))
+
+  c.objective = ml_collections.ConfigDict(dict(
+      name="stabledrl",
+      scale_advantages_by_std=False,
+      stabledrl=ml_collections.ConfigDict(dict(
+          min_ratio=0.0, max_ratio=5.0, normalize_over="group", surrogate="sandwich",
+          omega=0.5, eubo_beta=1.5)),
+      grpo=ml_collections.ConfigDict(dict(
+          level="token", epsilon_low=0.5, epsilon_high=0.5, beta=0.0, kl_estimator="k3")),
+      espo=ml_collections.ConfigDict(dict(epsilon=0.2, beta=0.0)),
+      spg=ml_collections.ConfigDict(dict(surrogate="sandwich", omega=0.5, eubo_beta=1.5)),
+      wd1=ml_collections.ConfigDict(),
+  ))
+  c.estimator = ml_collections.ConfigDict(dict(
+      method="",  # '' = the objective's own (see _DEFAULT_METHOD)
+      num_samples=2,
+      normalize="",  # '' = what the objective expects
+      coupled_ratio=False,  # same masks for l_theta and l_old (else independent, as official)
+      block_length=32, prompt_mask_prob=0.15, schedule="bernoulli", coupled=False))
+
+  c.optimizer = ml_collections.ConfigDict(dict(
+      learning_rate=1e-6, schedule="linear", warmup_steps=0, end_lr_factor=0.0,
+      b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip=0.2))
+  c.train = ml_collections.ConfigDict(dict(
+      num_steps=2000, num_iterations=2, microbatch_groups=0,  # 0: the whole batch at once
+      max_consecutive_skips=10, reference_model=False))
+  c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0))  # 0: gen/2
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, max_to_keep=3))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.sft = ml_collections.ConfigDict(dict(
+      num_steps=0, batch_size=64, learning_rate=1e-3,
+      demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
+  return c
+
+
+def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
+  """The paper's LLaDA-8B-Instruct setting (SPEC section 8) for ``task``.
+
+  Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
+  """
+  c = base_config()  # seed 113, StableDRL with the SPG sandwich, ratio clip 5, no KL.
+  c.model.update(name="llada_8b", checkpoint="/path/to/LLaDA-8B-Instruct", dtype="bfloat16",
+                 param_dtype="bfloat16", remat=True)
+  c.tokenizer.update(kind="llada", path="/path/to/LLaDA-8B-Instruct/tokenizer.json")
+  c.task.update(name=task, with_instruction=True)
+  c.data.update(train="hub", eval="hub", train_size=0, eval_size=0)
+  c.rollout.update(num_prompts=32, group_size=16, prompt_length=256, gen_length=256, steps=128,
+                   block_length=32, temperature=0.9)
+  c.estimator.update(method="block_random", num_samples=2, block_length=32,
+                     prompt_mask_prob=0.15)
+  c.optimizer.update(learning_rate=learning_rate, schedule="linear", grad_clip=0.2,
+                     weight_decay=0.1)
+  c.train.update(num_steps=2000, num_iterations=2, microbatch_groups=1)
+  c.eval.update(every_steps=100, batch_size=64, steps=0)
+  c.checkpoint.update(every_steps=50, max_to_keep=3)
+  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  return c
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+  if not condition:
+    raise ValueError(f"config.{field}: {message}")
+
+
+def objective_level(config: ml_collections.ConfigDict) -> str | None:
+  return config.objective.grpo.level if config.objective.name == "grpo" else None
+
+
+def estimator_method(config: ml_collections.ConfigDict) -> str:
+  return config.estimator.method or _DEFAULT_METHOD[(config.objective.name,
+                                                     objective_level(config))]
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
+  name = config.objective.name
+  _require(name in OBJECTIVE_NAMES, "objective.name", f"{name!r} is not one of {OBJECTIVE_NAMES}")
+  r = config.rollout
+  for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
+                "block_length"):
+    _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
+             f"must be a positive integer, got {r[field]!r}")
+  _require(r.gen_length % r.block_length == 0, "rollout.gen_length",
+           f"{r.gen_length} is not a multiple of rollout.block_length={r.block_length}")
+  num_blocks = r.gen_length // r.block_length
+  _require(r.steps % num_blocks == 0, "rollout.steps",
+           f"{r.steps} is not a multiple of the number of blocks ({num_blocks})")
+  _require(r.temperature >= 0, "rollout.temperature", f"must be >= 0, got {r.temperature}")
+  _require(r.remasking in ("low_confidence", "random"), "rollout.remasking",
+           f"{r.remasking!r} is not 'low_confidence' or 'random'")
+  if name == "grpo":
+    _require(config.objective.grpo.level in ("token", "sequence"), "objective.grpo.level",
+             f"{config.objective.grpo.level!r} is not 'token' or 'sequence'")
+  method = estimator_method(config)
+  _require(method in ESTIMATOR_METHODS, "estimator.method",
+           f"{method!r} is not one of {ESTIMATOR_METHODS}")
+  if objective_level(config) == "token":
+    _require(method == "mean_field", "estimator.method",
+             "token-level GRPO scores every completion token, so it needs 'mean_field'")
+  _require(config.estimator.normalize in ("", "sum", "mean"), "estimator.normalize",
+           f"{config.estimator.normalize!r} is not '', 'sum' or 'mean'")
+  _require(config.estimator.num_samples >= 1, "estimator.num_samples", "must be >= 1")
+  _require(0 <= config.estimator.prompt_mask_prob <= 1, "estimator.prompt_mask_prob",
+           "must lie in [0, 1]")
+  if name == "stabledrl":
+    s = config.objective.stabledrl
+    _require(0 <= s.min_ratio < s.max_ratio, "objective.stabledrl.max_ratio",
+             f"needs 0 <= min_ratio < max_ratio, got {s.min_ratio}, {s.max_ratio}")
+    _require(s.normalize_over in ("group", "batch"), "objective.stabledrl.normalize_over",
+             f"{s.normalize_over!r} is not 'group' or 'batch'")
+  if name in ("stabledrl", "spg"):
+    _require(config.objective[name].surrogate in ("elbo", "sandwich"),
+             f"objective.{name}.surrogate",
+             f"{config.objective[name].surrogate!r} is not 'elbo' or 'sandwich'")
+  needs_reference = (name == "grpo" and config.objective.grpo.beta > 0) or (
+      name == "espo" and config.objective.espo.beta > 0)
+  if needs_reference:
+    _require(config.train.reference_model, "train.reference_model",
+             f"objective.{name}.beta > 0 needs a frozen reference model (set it True)")
+  o = config.optimizer
+  _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+  _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
+           f"{o.schedule!r} is not 'linear' or 'constant'")
+  _require(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0: no clipping)")
+  t = config.train
+  _require(t.num_steps >= 0, "train.num_steps", "must be >= 0")
+  _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
+  _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
+  _require(t.microbatch_groups >= 0, "train.microbatch_groups", "must be >= 0")
+  if t.microbatch_groups:
+    _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
+             f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")
+  _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
+  _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
+  _require(config.tokenizer.kind in ("char", "llada"), "tokenizer.kind",
+           f"{config.tokenizer.kind!r} is not 'char' or 'llada'")
+  if num_devices is not None:
+    from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
+    try:
+      sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
+    except ValueError as err:
+      raise ValueError(str(err)) from None
+    ways = sizes["data"] * sizes["fsdp"]
+    per_microbatch = r.num_prompts // num_microbatches(config)
+    _require(per_microbatch * r.group_size % ways == 0, "rollout.num_prompts",
+             f"a microbatch of {per_microbatch} prompts x {r.group_size} completions does not "
+             f"split over data x fsdp = {ways} devices")
+
+
+def num_microbatches(config: ml_collections.ConfigDict) -> int:
+  groups = config.train.microbatch_groups or config.rollout.num_prompts
+  return config.rollout.num_prompts // groups
+
+
+def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int) -> rl_loss.LikelihoodSpec:
+  """The static estimator settings of the configured objective."""
+  name = config.objective.name
+  method = estimator_method(config)
+  e = config.estimator
+  if method == "mean_field":
+    options = {"prompt_mask_prob": e.prompt_mask_prob}
+  elif method == "elbo":
+    options = {"schedule": e.schedule, "coupled": e.coupled}
+  else:
+    options = {"block_length": e.block_length, "prompt_mask_prob": e.prompt_mask_prob}
+  eubo_beta = None
+  if name in ("stabledrl", "spg") and config.objective[name].surrogate == "sandwich":
+    eubo_beta = float(config.objective[name].eubo_beta)
+  return rl_loss.LikelihoodSpec(
+      method=method, num_samples=e.num_samples,
+      normalize=e.normalize or losses.get_objective(name).normalize,
+      token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
+      options=tuple(sorted(options.items())))
+
+
+def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+  """Keyword arguments of the registered objective, from ``config.objective.<name>``."""
+  name = config.objective.name
+  hparams = dict(config.objective[name])
+  for key in ("level", "eubo_beta"):  # Estimator settings, not loss arguments.
+    hparams.pop(key, None)
+  if name == "espo":
+    hparams["gen_length"] = config.rollout.gen_length
+  return tuple(sorted(hparams.items()))

@@ -1,0 +1,140 @@
+"""Host-side data plumbing: tasks and examples -> fixed-shape token arrays.
+
+Prompts are left-padded to ``prompt_length`` (so every completion starts at the
+same position, as the sampler needs); completions occupy the next
+``gen_length`` positions. Everything returned is numpy, ready to shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+
+from stabledrl_jax import tasks, tokenizers
+
+
+def make_tokenizer(config: ml_collections.ConfigDict):
+  """``config.tokenizer``: kind 'char' (with ``alphabet``) or 'llada' (``path`` to tokenizer.json)."""
+  if config.kind == "char":
+    return tokenizers.CharTokenizer(config.alphabet or tokenizers.DEFAULT_ALPHABET)
+  if config.kind == "llada":
+    return tokenizers.HFTokenizer.llada(config.path)
+  raise ValueError(f"config.tokenizer.kind must be 'char' or 'llada', got {config.kind!r}.")
+
+
+def format_prompt(tokenizer, task: tasks.Task, example: tasks.Example, *,
+                  with_instruction: bool) -> str:
+  """The prompt text; chat tokenizers wrap it in their chat template."""
+  text = task.prompt(example, with_instruction=with_instruction)
+  if hasattr(tokenizer, "chat_prompt"):
+    return tokenizer.chat_prompt(text)
+  return text
+
+
+def answer_text(example: tasks.Example, reference: str | None = None) -> str:
+  """Supervised target: the reference in the <answer> layout the rewards read."""
+  reference = example.reference if reference is None else reference
+  if reference is None:
+    raise ValueError(f"Example {example.question!r} has no reference answer to imitate.")
+  return f"<answer>{reference}</answer>"
+
+
+def noisy_demonstration(task: tasks.Task, example: tasks.Example, rng: np.random.Generator, *,
+                        error_rate: float, error_cells: int) -> str:
+  """The reference as an imperfect demonstrator writes it.
+
+  With probability ``error_rate`` the demonstrator makes its habitual mistake:
+  in sudoku, the digit of each of the first ``error_cells`` blank cells is
+  replaced by the next digit (4 wraps to 1). A model fitted on such
+  demonstrations samples the right digit often but decodes the wrong one
+  greedily (for rates above 1/2): the gap between pass@k and pass@1 that RL
+  can close.
+  """
+  reference = example.reference
+  if error_rate == 0.0 or rng.random() >= error_rate:
+    return reference
+  if task.name != "sudoku":
+    raise ValueError(f"config.sft.demo_error_rate > 0 is defined for sudoku, not {task.name!r}.")
+  puzzle = tasks.sudoku.puzzle_of(example)
+  cells = list(reference)
+  blanks = [i for i, digit in enumerate(puzzle) if digit == "0"][:error_cells]
+  for i in blanks:
+    cells[i] = str(int(cells[i]) % 4 + 1)
+  return "".join(cells)
+
+
+def encode_prompts(tokenizer, texts: Sequence[str], prompt_length: int) -> tuple[np.ndarray,
+                                                                                  np.ndarray]:
+  """Left-padded prompts: tokens [P, prompt_length] int32 and mask [P, prompt_length] bool."""
+  tokens = np.full((len(texts), prompt_length), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(texts), prompt_length), bool)
+  for row, text in enumerate(texts):
+    ids = tokenizer.encode(text)
+    if len(ids) > prompt_length:
+      raise ValueError(f"A prompt has {len(ids)} tokens, more than config.rollout.prompt_length="
+                       f"{prompt_length}: {text[:80]!r}...")
+    tokens[row, prompt_length - len(ids):] = ids
+    mask[row, prompt_length - len(ids):] = True
+  return tokens, mask
+
+
+def encode_completions(tokenizer, texts: Sequence[str], gen_length: int) -> np.ndarray:
+  """Completions followed by EOS up to ``gen_length`` (LLaDA's SFT layout): [B, gen_length]."""
+  tokens = np.full((len(texts), gen_length), tokenizer.eos_id, np.int32)
+  for row, text in enumerate(texts):
+    ids = tokenizer.encode(text)
+    if len(ids) >= gen_length:
+      raise ValueError(f"A target of {len(ids)} tokens does not fit config.rollout.gen_length="
+                       f"{gen_length} with its EOS.")
+    tokens[row, :len(ids)] = ids
+  return tokens
+
+
+def decode_completions(tokenizer, completion_tokens: np.ndarray) -> list[str]:
+  """Text of each completion, up to its first EOS."""
+  return [tokenizer.decode(row) for row in np.asarray(completion_tokens)]
+
+
+def make_examples(config: ml_collections.ConfigDict, split: str) -> Sequence[tasks.Example]:
+  """``config.data.{train,eval}``: 'synthetic' (the task's generator), 'hub' or a local file."""
+  source = config.data.train if split == "train" else config.data.eval
+  size = config.data.train_size if split == "train" else config.data.eval_size
+  seed = config.seed + (0 if split == "train" else 1)
+  if source == "hub":  # The task's default Hugging Face dataset (needs network).
+    hub_split = "train" if split == "train" else "test"
+    return tasks.load_examples(config.task.name, None, split=hub_split, limit=size or None)
+  if source != "synthetic":
+    return tasks.load_examples(config.task.name, source, limit=size or None)
+  task = tasks.get_task(config.task.name)
+  generator_options = dict(config.data.generator)
+  if task.name == "sudoku":
+    generator_options.setdefault("split", "train" if split == "train" else "test")
+    generator_options["blanks_range"] = tuple(generator_options.get("blanks_range", (6, 10)))
+    return tasks.SudokuGenerator(size, seed=seed, **generator_options)
+  if task.name == "countdown":
+    for name in ("number_range", "target_range"):
+      if name in generator_options:
+        generator_options[name] = tuple(generator_options[name])
+    return tasks.CountdownGenerator(size, seed=seed, **generator_options)
+  raise ValueError(f"config.data.{split}='synthetic' needs a task with a generator "
+                   f"(countdown, sudoku), got {task.name!r}.")
+
+
+@dataclasses.dataclass
+class PromptSet:
+  """Encoded prompts of a list of examples."""
+
+  examples: list[Any]
+  tokens: np.ndarray  # [P, prompt_length]
+  mask: np.ndarray  # [P, prompt_length]
+
+
+def encode_examples(config: ml_collections.ConfigDict, tokenizer, task: tasks.Task,
+                    examples: Sequence[tasks.Example]) -> PromptSet:
+  texts = [format_prompt(tokenizer, task, ex, with_instruction=config.task.with_instruction)
+           for ex in examples]
+  tokens, mask = encode_prompts(tokenizer, texts, config.rollout.prompt_length)
+  return PromptSet(list(examples), tokens, mask)

@@ -1,0 +1,113 @@
+"""The RL loss of one microbatch: likelihood estimates composed with a registered objective.
+
+Pure functions of (logits function, arrays, PRNG key, static specs). The model
+enters only through ``logits_fn``; the trainer supplies it from NNX parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from stabledrl_jax import estimators, losses
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+  """Rollouts of P prompts x G completions, groups contiguous. N = P * G, L = prompt + gen length.
+
+  Attributes:
+    tokens: [N, L] int32 clean sequences z = [x; y].
+    prompt_mask: [N, L] bool, prompt tokens (left padding excluded).
+    completion_mask: [N, L] bool, scored completion tokens (up to and including the first EOS).
+    attention_mask: [N, L] bool, positions the model may attend to (no left padding).
+    advantages: [N] float32 group-relative advantages.
+    old_logp: [N] (or [N, L] at token level) estimates under pi_old, no gradient.
+    ref_logp: like ``old_logp`` under the frozen reference policy (zeros when unused).
+  """
+
+  tokens: Array
+  prompt_mask: Array
+  completion_mask: Array
+  attention_mask: Array
+  advantages: Array
+  old_logp: Array
+  ref_logp: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LikelihoodSpec:
+  """How an objective's likelihoods are estimated (static: hashable, no arrays).
+
+  Attributes:
+    method: estimator method ('mean_field', 'elbo', 'block_random').
+    num_samples: K Monte Carlo samples.
+    normalize: 'sum' or 'mean' (ignored at token level).
+    token_level: per-token log-probs [N, L] instead of per-sequence estimates.
+    eubo_beta: compute SPG's EUBO_beta from the same forward pass (None: no EUBO).
+    mask_id: the mask token id.
+    options: sorted (name, value) pairs for the estimator's mask sampler.
+  """
+
+  method: str
+  num_samples: int
+  normalize: str
+  token_level: bool
+  eubo_beta: float | None
+  mask_id: int
+  options: tuple[tuple[str, Any], ...] = ()
+
+
+def model_logits_fn(model: Callable[..., Array],
+                    attention_mask: Array) -> Callable[[Array], Array]:
+  """tokens [R * B, L] -> logits, the [B, L] attention mask tiled over the R mask rows."""
+
+  def logits_fn(tokens):
+    rows = tokens.shape[0] // attention_mask.shape[0]
+    return model(tokens, attention_mask=jnp.tile(attention_mask, (rows, 1)))
+
+  return logits_fn
+
+
+def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array,
+             spec: LikelihoodSpec) -> tuple[Array, Array | None]:
+  """Likelihood estimates of the batch's completions.
+
+  Returns:
+    logp: [N] per-sequence estimates, or [N, L] per-token log-probs at token level.
+    eubo: [N] EUBO_beta estimates, or None.
+  """
+  details = estimators.estimate_logp(
+      logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
+      method=spec.method, mask_id=spec.mask_id, num_samples=spec.num_samples,
+      normalize=spec.normalize, return_details=True, **dict(spec.options))
+  if spec.token_level:
+    scored = details.masks.scored.astype(jnp.float32)
+    hits = jnp.sum(scored, axis=0)
+    logp = jnp.sum(scored * details.token_logp, axis=0) / jnp.maximum(hits, 1.0)
+  else:
+    logp = details.value
+  eubo = None
+  if spec.eubo_beta is not None:
+    eubo = estimators.eubo_from_samples(details.token_logp, details.masks, beta=spec.eubo_beta)
+  return logp, eubo
+
+
+def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array, *,
+                   spec: LikelihoodSpec, objective: str, hparams: tuple[tuple[str, Any], ...],
+                   group_size: int, use_reference: bool) -> tuple[Array, dict[str, Array]]:
+  """The objective's (loss, metrics) on fresh estimates under the current parameters."""
+  logp, eubo = estimate(logits_fn, batch, key, spec)
+  mask = batch.completion_mask if spec.token_level else None
+  inputs = losses.ObjectiveInputs(
+      logp=logp, advantages=batch.advantages, old_logp=batch.old_logp, mask=mask,
+      ref_logp=batch.ref_logp if use_reference else None, eubo=eubo,
+      lengths=jnp.sum(batch.completion_mask, axis=-1).astype(jnp.float32))
+  loss, metrics = losses.get_objective(objective)(inputs, group_size=group_size, **dict(hparams))
+  return loss, metrics

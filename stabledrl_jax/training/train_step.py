@@ -1,0 +1,145 @@
+"""The jitted parameter update: gradient accumulation over whole groups, skip on non-finite.
+
+``make_update_fn`` returns ``update(state, batch, key) -> (state, metrics)``, a
+pure function of pytrees, jitted with the state donated and explicit output
+shardings. A non-finite loss or gradient leaves parameters and optimizer state
+untouched and increments ``skipped_steps``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from stabledrl_jax.training import rl_loss
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything an update changes (and a checkpoint restores).
+
+  Attributes:
+    step: RL steps completed.
+    params: the model's nnx.Param state.
+    opt_state: optax state.
+    key: [2] uint32 raw PRNG key data of the run (``jax.random.wrap_key_data``).
+    skipped_steps: updates skipped for non-finite loss or gradients, in total.
+    consecutive_skips: updates skipped in a row, up to the latest.
+  """
+
+  step: Array
+  params: Any
+  opt_state: Any
+  key: Array
+  skipped_steps: Array
+  consecutive_skips: Array
+
+
+def create_train_state(params: Any, tx: optax.GradientTransformation, seed: int) -> TrainState:
+  return TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+      key=jax.random.key_data(jax.random.key(seed)), skipped_steps=jnp.zeros((), jnp.int32),
+      consecutive_skips=jnp.zeros((), jnp.int32))
+
+
+def _split_microbatches(batch: rl_loss.RolloutBatch, num_microbatches: int,
+                        group_size: int) -> rl_loss.RolloutBatch:
+  """[N, ...] -> [M, N / M, ...], microbatch m holding groups m, m + M, m + 2M, ...
+
+  Interleaving keeps every group whole and, with the batch sharded over
+  devices by contiguous groups, leaves each device its own rows.
+  """
+
+  def split(x):
+    groups = x.reshape((-1, num_microbatches, group_size) + x.shape[1:])
+    return jnp.swapaxes(groups, 0, 1).reshape((num_microbatches, -1) + x.shape[1:])
+
+  return jax.tree.map(split, batch)
+
+
+def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
+  """Microbatch metrics [M] -> scalars: max of '/max' metrics, min of '/min', else mean."""
+  out = {}
+  for name, value in stacked.items():
+    if name.endswith("max"):
+      out[name] = jnp.max(value)
+    elif name.endswith("min"):
+      out[name] = jnp.min(value)
+    else:
+      out[name] = jnp.mean(value)
+  return out
+
+
+def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
+                tx: optax.GradientTransformation, spec: rl_loss.LikelihoodSpec, objective: str,
+                hparams: tuple[tuple[str, Any], ...], group_size: int, num_microbatches: int,
+                use_reference: bool) -> tuple[TrainState, dict[str, Array]]:
+  """One optimizer update on a rollout batch with fresh estimator masks from ``key``."""
+
+  def loss_fn(params, micro, micro_key):
+    model = nnx.merge(graphdef, params)
+    logits_fn = rl_loss.model_logits_fn(model, micro.attention_mask)
+    return rl_loss.objective_loss(logits_fn, micro, micro_key, spec=spec, objective=objective,
+                                  hparams=hparams, group_size=group_size,
+                                  use_reference=use_reference)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  micro = _split_microbatches(batch, num_microbatches, group_size)
+  keys = jax.random.split(key, num_microbatches)
+
+  def accumulate(grads, inputs):
+    mb, mb_key = inputs
+    (_, metrics), mb_grads = grad_fn(state.params, mb, mb_key)
+    grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
+    return grads, metrics
+
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  grads, stacked = jax.lax.scan(accumulate, zeros, (micro, keys))
+  metrics = _reduce_metrics(stacked)
+
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+  # Zero non-finite gradients before the optimizer so that its state stays finite
+  # even in the branch that is discarded.
+  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+  updates, new_opt_state = tx.update(safe_grads, state.opt_state, state.params)
+  new_params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  skipped = (~finite).astype(jnp.int32)
+  new_state = state.replace(
+      params=keep(new_params, state.params), opt_state=keep(new_opt_state, state.opt_state),
+      skipped_steps=state.skipped_steps + skipped,
+      consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1))
+  metrics.update({
+      "grad_norm": grad_norm,
+      "update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
+      "skipped": skipped,
+  })
+  return new_state, metrics
+
+
+def make_update_fn(graphdef: Any, tx: optax.GradientTransformation, *,
+                   state_shardings: Any, batch_shardings: Any, replicated: Any,
+                   **static) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
+  """jit(update_step) with the state donated and its shardings pinned."""
+  fn = functools.partial(update_step, graphdef=graphdef, tx=tx, **static)
+  return jax.jit(fn, donate_argnums=(0,),
+                 in_shardings=(state_shardings, batch_shardings, replicated),
+                 out_shardings=(state_shardings, replicated))
+
+
+def estimate_no_grad(params: Any, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
+                     spec: rl_loss.LikelihoodSpec) -> Array:
+  """l_old (or l_ref): estimates under fixed parameters, without gradient."""
+  model = nnx.merge(graphdef, params)
+  logp, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, batch.attention_mask), batch, key,
+                             spec)
+  return jax.lax.stop_gradient(logp)

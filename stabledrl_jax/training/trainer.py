@@ -1,0 +1,327 @@
+"""The RL training loop (SPEC section 8): rollouts, rewards, old-policy estimates, mu updates.
+
+One RL step:
+
+1. P prompts, each repeated G times; rollouts from pi_old (the current parameters).
+2. Rewards on the host; group-relative advantages.
+3. l_old under pi_old (independent masks, or the inner iterations' own masks when
+   ``estimator.coupled_ratio``), and l_ref under a frozen reference if asked.
+4. ``train.num_iterations`` updates with fresh masks each; a non-finite loss or
+   gradient skips its update.
+
+The step's PRNG key is ``fold_in(run_key, step)``; with the data-iterator
+state in the checkpoint, a resumed run repeats the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+from flax import nnx
+
+from stabledrl_jax import losses, models, sampling, tasks
+from stabledrl_jax.training import checkpointing, config_lib, data, mesh as mesh_lib
+from stabledrl_jax.training import metrics_writer, optimizer as optimizer_lib, rl_loss
+from stabledrl_jax.training import supervised, train_step
+
+SFT_DIR = "sft_model"
+
+
+class TooManySkipsError(RuntimeError):
+  """Raised after ``train.max_consecutive_skips`` non-finite updates in a row."""
+
+
+def _model_overrides(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
+  overrides = dict(config.model.overrides)
+  overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                   remat=config.model.remat)
+  if config.tokenizer.kind == "char":
+    overrides.update(vocab_size=tokenizer.vocab_size, embedding_size=tokenizer.vocab_size,
+                     mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
+  return overrides
+
+
+def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LLaDA:
+  """A checkpoint (``model.checkpoint``), else a fresh model of ``model.name``."""
+  if config.model.checkpoint:
+    return models.from_pretrained(config.model.checkpoint, mesh=mesh,
+                                  dtype=jnp.dtype(config.model.param_dtype),
+                                  remat=config.model.remat)
+  model_config = models.get_config(config.model.name, **_model_overrides(config, tokenizer))
+  return models.init_model(model_config, seed=config.seed, mesh=mesh)
+
+
+def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: models.LLaDA,
+                     tokenizer, task: tasks.Task, train_examples, mesh,
+                     log) -> models.LLaDA:
+  """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``."""
+  path = os.path.join(workdir, SFT_DIR)
+  if os.path.exists(os.path.join(path, "config.json")):
+    return models.from_pretrained(path, mesh=mesh, dtype=jnp.dtype(config.model.param_dtype))
+  rollout = config.rollout
+  rng = np.random.default_rng(config.seed)
+
+  def sample_batch(step):
+    del step  # The generator state advances deterministically with each call.
+    indices = rng.integers(len(train_examples), size=config.sft.batch_size)
+    examples = [train_examples[int(i)] for i in indices]
+    prompts = data.encode_examples(config, tokenizer, task, examples)
+    targets = [data.answer_text(ex, data.noisy_demonstration(
+        task, ex, rng, error_rate=config.sft.demo_error_rate,
+        error_cells=config.sft.demo_error_cells)) for ex in examples]
+    completions = data.encode_completions(tokenizer, targets, rollout.gen_length)
+    tokens = np.concatenate([prompts.tokens, completions], axis=1)
+    prompt_mask = np.concatenate([prompts.mask, np.zeros_like(completions, bool)], axis=1)
+    completion_mask = np.concatenate([np.zeros_like(prompts.mask), np.ones_like(completions,
+                                                                                 bool)], axis=1)
+    return tokens, prompt_mask, completion_mask
+
+  supervised.fit(model, sample_batch, num_steps=config.sft.num_steps,
+                 learning_rate=config.sft.learning_rate, seed=config.seed,
+                 mask_id=model.config.mask_token_id, log=log)
+  # Write to a temporary directory first: a kill mid-save must not leave a torn start.
+  models.save_pretrained(model, path + ".tmp")
+  os.replace(path + ".tmp", path)
+  return model
+
+
+class Trainer:
+  """Holds what the loop needs across steps; ``run()`` trains to ``train.num_steps``."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    config_lib.validate(config, num_devices=jax.device_count())
+    self.config = config
+    self.workdir = workdir
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+    self.mesh = mesh_lib.make_mesh(config.mesh)
+    self.tokenizer = data.make_tokenizer(config.tokenizer)
+    self.task = tasks.get_task(config.task.name)
+    self.train_examples = data.make_examples(config, "train")
+    self.eval_prompts = data.encode_examples(config, self.tokenizer, self.task,
+                                             data.make_examples(config, "eval"))
+    self.data_iter = tasks.DataIterator(self.train_examples, config.rollout.num_prompts,
+                                        seed=config.seed)
+
+    self.checkpointer = checkpointing.Checkpointer(workdir,
+                                                   max_to_keep=config.checkpoint.max_to_keep)
+    latest = self.checkpointer.latest_step()
+    model = build_model(config, self.tokenizer, self.mesh)
+    if config.sft.num_steps and not config.model.checkpoint:
+      if latest is None:
+        model = supervised_start(config, workdir, model, self.tokenizer, self.task,
+                                 self.train_examples, self.mesh, self._log_sft)
+      # On resume the checkpoint holds the parameters; the SFT start is not needed.
+    self.model_config = model.config
+    self.graphdef, params = nnx.split(model, nnx.Param)
+    # The reference for KL terms is the start of RL, frozen.
+    self.ref_params = params if config.train.reference_model else None
+
+    num_updates = config.train.num_steps * config.train.num_iterations
+    self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
+    state = jax.jit(lambda p: train_step.create_train_state(p, self.tx, config.seed))(params)
+    self.state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    self.start_step = 0
+    if latest is not None:
+      state, meta = self.checkpointer.restore(latest, checkpointing.abstract_like(state))
+      self.data_iter.restore(meta["data"])
+      self.start_step = int(state.step)
+    self.state = state
+
+    self.spec = config_lib.likelihood_spec(config, self.model_config.mask_token_id)
+    objective = losses.get_objective(config.objective.name)
+    self.needs_old = "old_logp" in objective.requires
+    # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
+    batch_sharding = models.batch_sharding(self.mesh, ndim=1)
+    self.batch_sharding = batch_sharding
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self.update = train_step.make_update_fn(
+        self.graphdef, self.tx, state_shardings=self.state_shardings,
+        batch_shardings=batch_sharding, replicated=replicated, spec=self.spec,
+        objective=config.objective.name, hparams=config_lib.objective_hparams(config),
+        group_size=config.rollout.group_size,
+        num_microbatches=config_lib.num_microbatches(config),
+        use_reference=config.train.reference_model)
+    self.estimate_no_grad = jax.jit(
+        lambda params, batch, key: train_step.estimate_no_grad(
+            params, batch, key, graphdef=self.graphdef, spec=self.spec))
+    self.writer = metrics_writer.MetricsWriter(workdir, resume_step=self.start_step)
+
+  # -------------------------------------------------------------------------
+  # Pieces of a step.
+  # -------------------------------------------------------------------------
+
+  def _log_sft(self, step: int, metrics: dict[str, Any]) -> None:
+    print(f"sft step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+  def _model(self, params) -> nnx.Module:
+    return nnx.merge(self.graphdef, params)
+
+  def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
+               temperature: float, steps: int) -> np.ndarray:
+    r = self.config.rollout
+    tokens = sampling.generate(
+        self._model(params), jax.device_put(prompt_tokens, self.batch_sharding), key=key,
+        gen_length=r.gen_length, steps=steps, block_length=r.block_length,
+        temperature=temperature, remasking=r.remasking,
+        prompt_mask=jax.device_put(prompt_mask, self.batch_sharding))
+    return np.asarray(tokens)
+
+  def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray,
+                 advantages: np.ndarray) -> rl_loss.RolloutBatch:
+    """Arrays of the rollouts, sharded over the batch axis."""
+    r = self.config.rollout
+    completion = np.asarray(sampling.completion_mask(tokens, r.prompt_length,
+                                                     self.model_config.eos_token_id))
+    no_gen = np.zeros((tokens.shape[0], r.gen_length), bool)
+    no_prompt = np.zeros_like(prompt_mask)
+    batch = rl_loss.RolloutBatch(
+        tokens=tokens.astype(np.int32),
+        prompt_mask=np.concatenate([prompt_mask, no_gen], axis=1),
+        completion_mask=np.concatenate([no_prompt, completion], axis=1),
+        attention_mask=np.concatenate([prompt_mask, ~no_gen], axis=1),
+        advantages=advantages.astype(np.float32),
+        old_logp=np.zeros(self._logp_shape(tokens), np.float32),
+        ref_logp=np.zeros(self._logp_shape(tokens), np.float32))
+    return jax.device_put(batch, self.batch_sharding)
+
+  def _logp_shape(self, tokens: np.ndarray) -> tuple[int, ...]:
+    return tokens.shape if self.spec.token_level else tokens.shape[:1]
+
+  def evaluate(self, params, key) -> dict[str, float]:
+    """Greedy decoding on the held-out prompts: the task's metric, in percent."""
+    prompts, r = self.eval_prompts, self.config.rollout
+    steps = self.config.eval.steps or max(r.gen_length // 2, r.gen_length // r.block_length)
+    correct = total = reward = 0.0
+    size = self.config.eval.batch_size
+    for start in range(0, len(prompts.examples), size):
+      tokens, mask = prompts.tokens[start:start + size], prompts.mask[start:start + size]
+      real = len(tokens)
+      pad = -real % mesh_lib.data_parallel_size(self.mesh)
+      if pad:  # Static shapes over the mesh: pad the last batch, drop the padding after.
+        tokens = np.concatenate([tokens, np.repeat(tokens[-1:], pad, 0)])
+        mask = np.concatenate([mask, np.repeat(mask[-1:], pad, 0)])
+      out = self.generate(params, tokens, mask, key, temperature=0.0, steps=steps)[:real]
+      texts = data.decode_completions(self.tokenizer, out[:, r.prompt_length:])
+      for text, example in zip(texts, prompts.examples[start:start + real]):
+        score = self.task.score(text, example)
+        correct += score.correct
+        total += score.total
+        reward += self.task.reward(text, example)
+    return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
+            "eval/reward_mean": reward / len(prompts.examples)}
+
+  def rl_step(self, step: int) -> dict[str, Any]:
+    config, r = self.config, self.config.rollout
+    start = time.perf_counter()
+    key = jax.random.fold_in(jax.random.wrap_key_data(self.state.key), step)
+    key_rollout, key_old, key_inner = jax.random.split(key, 3)
+    inner_keys = jax.random.split(key_inner, config.train.num_iterations)
+
+    examples = next(self.data_iter)
+    prompts = data.encode_examples(config, self.tokenizer, self.task, examples)
+    prompt_tokens = np.repeat(prompts.tokens, r.group_size, axis=0)
+    prompt_mask = np.repeat(prompts.mask, r.group_size, axis=0)
+    tokens = self.generate(self.state.params, prompt_tokens, prompt_mask, key_rollout,
+                           temperature=r.temperature, steps=r.steps)
+    rollout_s = time.perf_counter() - start
+
+    texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
+    rewards = np.array([self.task.reward(text, examples[i // r.group_size])
+                        for i, text in enumerate(texts)], np.float32)
+    advantages = np.asarray(losses.group_advantages(
+        jnp.asarray(rewards), r.group_size,
+        scale_by_std=config.objective.scale_advantages_by_std))
+    batch = self.make_batch(tokens, prompt_mask, advantages)
+    if self.ref_params is not None:
+      batch = batch.replace(ref_logp=self.estimate_no_grad(self.ref_params, batch, key_old))
+    old = None
+    if self.needs_old:
+      if config.estimator.coupled_ratio:  # The inner iterations' own masks, before any update.
+        old = [self.estimate_no_grad(self.state.params, batch, k) for k in inner_keys]
+      else:  # Independent masks, as the official code: pure estimator noise at iteration 0.
+        old = [self.estimate_no_grad(self.state.params, batch, key_old)] * len(inner_keys)
+
+    inner = []
+    for i, inner_key in enumerate(inner_keys):
+      if old is not None:
+        batch = batch.replace(old_logp=old[i])
+      self.state, metrics = self.update(self.state, batch, inner_key)
+      inner.append(metrics)
+    metrics = {k: v for k, v in train_step._reduce_metrics(
+        jax.tree.map(lambda *xs: jnp.stack(xs), *inner)).items()}
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    self.state = self.state.replace(step=jnp.asarray(step + 1, jnp.int32))
+
+    completion = np.asarray(batch.completion_mask)
+    elapsed = time.perf_counter() - start
+    metrics.update({
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "advantage/abs_mean": float(np.abs(advantages).mean()),
+        "completion/length_mean": float(completion.sum(-1).mean()),
+        "skipped_steps": int(self.state.skipped_steps),
+        "time/step_s": elapsed, "time/rollout_s": rollout_s,
+        "throughput/tokens_per_s": tokens.shape[0] * r.gen_length / elapsed,
+    })
+    return metrics
+
+  # -------------------------------------------------------------------------
+  # The loop.
+  # -------------------------------------------------------------------------
+
+  def _save(self, step: int) -> None:
+    meta = {"data": self.data_iter.state(), "config": json.loads(
+        self.config.to_json_best_effort())}
+    self.checkpointer.save(step, self.state, meta)
+
+  def run(self) -> list[dict[str, Any]]:
+    """Trains from the latest checkpoint (or the start) to ``train.num_steps``."""
+    config = self.config
+    history = []
+    eval_key = jax.random.key(config.seed + 1)
+    every = config.eval.every_steps
+    if self.start_step == 0 and every:
+      self.writer.write(0, self.evaluate(self.state.params, eval_key))
+    progress = tqdm.tqdm(range(self.start_step, config.train.num_steps),
+                         initial=self.start_step, total=config.train.num_steps,
+                         desc="RL", dynamic_ncols=True)
+    try:
+      for step in progress:
+        metrics = self.rl_step(step)
+        done = step + 1
+        if every and (done % every == 0 or done == config.train.num_steps):
+          metrics.update(self.evaluate(self.state.params, eval_key))
+        self.writer.write(done, metrics)
+        history.append({"step": done, **metrics})
+        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                             step_s=f"{metrics['time/step_s']:.2f}")
+        if int(self.state.consecutive_skips) >= config.train.max_consecutive_skips:
+          raise TooManySkipsError(
+              f"{int(self.state.consecutive_skips)} consecutive updates had a non-finite loss "
+              f"or gradient (step {done}); stopping. The last good checkpoint is intact in "
+              f"{self.checkpointer.directory}.")
+        # A step that skipped an update is not checkpointed: the last checkpoint stays the
+        # last step whose every update was finite.
+        healthy = int(self.state.consecutive_skips) == 0
+        if healthy and (done % config.checkpoint.every_steps == 0
+                        or done == config.train.num_steps):
+          self._save(done)
+    finally:
+      progress.close()
+      self.checkpointer.close()
+      self.writer.close()
+    return history
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> list[dict[str, Any]]:
+  """Builds a Trainer and runs it; returns the per-step metrics of this invocation."""
+  return Trainer(config, workdir).run()

@@ -1,0 +1,291 @@
+"""The trainer: config validation, every objective, skip-on-NaN, kill-and-resume, 8 devices."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from stabledrl_jax import models
+from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, rl_loss
+from stabledrl_jax.training import train_step, trainer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(name="quickstart"):
+  spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def tiny_config(**updates):
+  """The quickstart at toy size: a few SFT steps so that rewards are not all zero."""
+  c = load_config()
+  c.data.train_size = 64
+  c.data.eval_size = 8
+  c.rollout.update(num_prompts=2, group_size=4, steps=10)
+  c.sft.update(num_steps=30, batch_size=16)
+  c.train.update(num_steps=2, num_iterations=2)
+  c.eval.update(every_steps=0)
+  c.checkpoint.update(every_steps=1)
+  for key, value in updates.items():
+    node = c
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return c
+
+
+@pytest.fixture(scope="module")
+def sft_start(tmp_path_factory):
+  """The tiny supervised start, fitted once and copied into each run's workdir."""
+  workdir = tmp_path_factory.mktemp("sft")
+  config = tiny_config(**{"train.num_steps": 0})
+  trainer.train(config, str(workdir))
+  return workdir / trainer.SFT_DIR
+
+
+def workdir_with_start(path, sft_start):
+  path.mkdir(parents=True, exist_ok=True)
+  shutil.copytree(sft_start, path / trainer.SFT_DIR)
+  return path
+
+
+# ---------------------------------------------------------------------------
+# Config validation: before anything is compiled, with the field named.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("objective.name", "ppo", "objective.name"),
+    ("rollout.gen_length", 30, "rollout.gen_length"),
+    ("rollout.steps", 0, "rollout.steps"),
+    ("rollout.block_length", 16, "rollout.gen_length"),
+    ("estimator.method", "exact", "estimator.method"),
+    ("objective.stabledrl.max_ratio", 0.0, "objective.stabledrl.max_ratio"),
+    ("optimizer.learning_rate", -1.0, "optimizer.learning_rate"),
+    ("train.microbatch_groups", 3, "train.microbatch_groups"),
+    ("objective.grpo.level", "word", "objective.grpo.level"),
+])
+def test_bad_config_values_name_the_field(field, value, match):
+  config = tiny_config(**{field: value})
+  if field == "objective.grpo.level":
+    config.objective.name = "grpo"
+  with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+    config_lib.validate(config, num_devices=1)
+
+
+def test_token_level_grpo_needs_mean_field():
+  config = tiny_config(**{"objective.name": "grpo", "estimator.method": "elbo"})
+  with pytest.raises(ValueError, match="mean_field"):
+    config_lib.validate(config)
+
+
+def test_kl_needs_a_reference_model():
+  config = tiny_config(**{"objective.name": "grpo", "objective.grpo.beta": 0.04})
+  with pytest.raises(ValueError, match="train.reference_model"):
+    config_lib.validate(config)
+
+
+def test_mesh_must_match_the_devices():
+  with pytest.raises(ValueError, match="config.mesh"):
+    config_lib.validate(tiny_config(**{"mesh.data": 3}), num_devices=8)
+
+
+def test_every_shipped_config_validates():
+  for path in sorted((REPO / "configs").glob("*.py")):
+    config_lib.validate(load_config(path.stem))
+
+
+# ---------------------------------------------------------------------------
+# The update step.
+# ---------------------------------------------------------------------------
+
+
+def _toy_update(advantages):
+  config = models.get_config("tiny", n_layers=1, vocab_size=16, mask_token_id=15,
+                             eos_token_id=14)
+  model = models.LLaDA(config, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx = optax.adamw(1e-2)
+  state = train_step.create_train_state(params, tx, seed=0)
+  n, length = 4, 10
+  tokens = jax.random.randint(jax.random.key(1), (n, length), 0, 14)
+  prompt = jnp.zeros((n, length), bool).at[:, :4].set(True)
+  batch = rl_loss.RolloutBatch(
+      tokens=tokens, prompt_mask=prompt, completion_mask=~prompt,
+      attention_mask=jnp.ones((n, length), bool), advantages=advantages,
+      old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
+                                token_level=False, eubo_beta=None, mask_id=15)
+  new_state, metrics = train_step.update_step(
+      state, batch, jax.random.key(2), graphdef=graphdef, tx=tx, spec=spec,
+      objective="stabledrl", hparams=(("surrogate", "elbo"),), group_size=2,
+      num_microbatches=2, use_reference=False)
+  return state, new_state, metrics
+
+
+def test_non_finite_update_is_skipped_and_counted():
+  state, new_state, metrics = _toy_update(jnp.array([1.0, -1.0, jnp.nan, 0.0]))
+  assert int(metrics["skipped"]) == 1 and int(new_state.skipped_steps) == 1
+  assert int(new_state.consecutive_skips) == 1
+  chex_equal = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state.params,
+                            new_state.params)
+  assert all(jax.tree.leaves(chex_equal))
+  _, good_state, good = _toy_update(jnp.array([1.0, -1.0, 0.5, -0.5]))
+  assert int(good["skipped"]) == 0 and int(good_state.consecutive_skips) == 0
+  assert float(good["update_norm"]) > 0
+
+
+def test_microbatches_keep_groups_whole():
+  batch = jnp.arange(12)  # 6 groups of 2, microbatch m gets groups m, m + 3.
+  split = train_step._split_microbatches(batch, 3, 2)
+  np.testing.assert_array_equal(split, [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]])
+
+
+# ---------------------------------------------------------------------------
+# End to end.
+# ---------------------------------------------------------------------------
+
+
+def _final_params(workdir):
+  ckpt = checkpointing.Checkpointer(workdir)
+  step = ckpt.latest_step()
+  path = os.path.join(ckpt.directory, str(step), "state")
+  ckpt.close()
+  import orbax.checkpoint as ocp
+  restored = ocp.StandardCheckpointer().restore(path)
+  return step, restored["params"]
+
+
+def _comparable(records):
+  return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+          for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective,extra", [
+    ("stabledrl", {}),
+    ("grpo", {"objective.grpo.level": "token"}),
+    ("grpo", {"objective.grpo.level": "sequence"}),
+    ("espo", {"estimator.schedule": "count", "estimator.coupled": True}),
+    ("spg", {}),
+    ("wd1", {}),
+])
+def test_every_objective_runs_a_step(objective, extra, tmp_path, sft_start):
+  config = tiny_config(**{"objective.name": objective, "train.num_steps": 1,
+                          "train.num_iterations": 1, **extra})
+  history = trainer.train(config, str(workdir_with_start(tmp_path, sft_start)))
+  assert len(history) == 1
+  record = history[0]
+  for name in ("loss", "grad_norm", "reward/mean", "skipped_steps", "update_norm"):
+    assert np.isfinite(record[name]), (name, record)
+  lines = metrics_writer.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in lines] == [1]
+
+
+@pytest.mark.slow
+def test_too_many_skips_stop_the_run_and_keep_the_checkpoint(tmp_path, monkeypatch, sft_start):
+  workdir_with_start(tmp_path, sft_start)
+  # Two updates per step: the second NaN step reaches 4 consecutive skips >= 3.
+  config = tiny_config(**{"train.num_steps": 1, "train.max_consecutive_skips": 3})
+  trainer.train(config, str(tmp_path))
+  step, before = _final_params(str(tmp_path))
+  assert step == 1
+  config.train.num_steps = 4
+  nan_advantages = lambda rewards, group_size, **kw: jnp.full(rewards.shape, jnp.nan)
+  monkeypatch.setattr(trainer.losses, "group_advantages", nan_advantages)
+  with pytest.raises(trainer.TooManySkipsError, match="consecutive"):
+    trainer.train(config, str(tmp_path))
+  step, after = _final_params(str(tmp_path))
+  assert step == 1
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+  records = metrics_writer.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert [r["skipped_steps"] for r in records] == [0, 2, 4]
+
+
+def _cli(workdir, *overrides):
+  return [sys.executable, "-m", "stabledrl_jax.train", f"--config={REPO / 'configs/quickstart.py'}",
+          f"--workdir={workdir}", *overrides]
+
+
+TINY_FLAGS = ("--config.data.train_size=64", "--config.data.eval_size=8",
+              "--config.rollout.num_prompts=2", "--config.rollout.group_size=4",
+              "--config.rollout.steps=10", "--config.sft.num_steps=30",
+              "--config.sft.batch_size=16", "--config.eval.every_steps=0",
+              "--config.checkpoint.every_steps=1", "--config.train.num_steps=5")
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, sft_start):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  reference = workdir_with_start(tmp_path / "reference", sft_start)
+  subprocess.run(_cli(reference, *TINY_FLAGS), check=True, env=env, capture_output=True)
+  killed = workdir_with_start(tmp_path / "killed", sft_start)
+  process = subprocess.Popen(_cli(killed, *TINY_FLAGS), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None:
+    steps = [r["step"] for r in metrics_writer.read_metrics(str(killed / "metrics.jsonl"))]
+    if steps and max(steps) >= 3:
+      break
+    time.sleep(0.05)
+  assert process.poll() is None, "the run finished before it could be killed"
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  subprocess.run(_cli(killed, *TINY_FLAGS), check=True, env=env, capture_output=True)
+
+  step_a, params_a = _final_params(str(reference))
+  step_b, params_b = _final_params(str(killed))
+  assert step_a == step_b == 5
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), params_a,
+               params_b)
+  metrics_a = _comparable(metrics_writer.read_metrics(str(reference / "metrics.jsonl")))
+  metrics_b = _comparable(metrics_writer.read_metrics(str(killed / "metrics.jsonl")))
+  assert [r["step"] for r in metrics_b] == [1, 2, 3, 4, 5]
+  assert metrics_a == metrics_b
+
+
+_LOSSES_SCRIPT = """
+import json, sys
+import jax
+from stabledrl_jax.training import trainer
+sys.path.insert(0, {tests!r})
+from test_training import tiny_config
+config = tiny_config(**{{"mesh.data": {data}, "mesh.fsdp": {fsdp}, "mesh.tensor": {tensor}}})
+history = trainer.train(config, {workdir!r})
+print(json.dumps({{"devices": jax.device_count(), "loss": [h["loss"] for h in history],
+                  "reward": [h["reward/mean"] for h in history]}}))
+"""
+
+
+@pytest.mark.slow
+def test_eight_fake_devices_give_the_same_losses(tmp_path, sft_start):
+  def run(devices, mesh, workdir):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    script = _LOSSES_SCRIPT.format(tests=str(REPO / "tests"), workdir=str(workdir),
+                                   data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    out = subprocess.run([sys.executable, "-c", script], check=True, env=env,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+  single = run(1, (1, 1, 1), workdir_with_start(tmp_path / "one", sft_start))
+  sharded = run(8, (2, 2, 2), workdir_with_start(tmp_path / "eight", sft_start))
+  assert single["devices"] == 1 and sharded["devices"] == 8
+  np.testing.assert_allclose(sharded["reward"], single["reward"], atol=1e-6)
+  np.testing.assert_allclose(sharded["loss"], single["loss"], atol=1e-5)
