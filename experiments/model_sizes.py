@@ -2,8 +2,8 @@
 
     python experiments/model_sizes.py
 
-Counts come from the module itself (`models.count_params` traces `LLaDA(config)` abstractly with
-`nnx.eval_shape`, so nothing is allocated, even for the 8B config).
+Counts come from the module itself (`models.count_params` traces `LLaDA(config)` or `SDAR(config)`
+abstractly with `nnx.eval_shape`, so nothing is allocated, even for the 8B configs).
 """
 
 from stabledrl_jax import models
@@ -20,6 +20,20 @@ def main():
     fp32 = models.param_bytes(c, "float32")
     print(f"| `{name}` | {c.n_layers} | {c.d_model} | {c.n_heads} / {c.n_kv_heads} | "
           f"{c.mlp_hidden_size} | {c.vocab_size} | {n:,} | {_human(bf16)} | {_human(fp32)} |")
+  print()
+  print("SDAR (block diffusion; head_dim can differ from hidden / heads):")
+  print()
+  print("| config | layers | hidden | heads (q / kv) x head_dim | MLP | vocab | block | parameters "
+        "| bf16 weights | fp32 weights | bf16 KV cache / 1k tokens |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for name in models.SDAR_CONFIG_NAMES:
+    c = models.get_sdar_config(name)
+    n = models.count_params(c)
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 1024
+    print(f"| `{name}` | {c.num_hidden_layers} | {c.hidden_size} | {c.num_attention_heads} / "
+          f"{c.num_key_value_heads} x {c.head_dim} | {c.intermediate_size} | {c.vocab_size} | "
+          f"{c.block_size} | {n:,} | {_human(models.param_bytes(c, 'bfloat16'))} | "
+          f"{_human(models.param_bytes(c, 'float32'))} | {_human(kv)} |")
 
 
 def _human(num_bytes):

@@ -1,8 +1,11 @@
-"""Hugging Face LLaDA checkpoints: `from_pretrained` and `save_pretrained`.
+"""Hugging Face checkpoints of LLaDA and SDAR: `from_pretrained` and `save_pretrained`.
 
 A checkpoint directory holds `config.json` and either one `model.safetensors` or shards listed in
-`model.safetensors.index.json`. Tensor names and layouts are those of LLaDA's torch code:
-Linear weights are [out, in] and become [in, out] kernels here.
+`model.safetensors.index.json`. `from_pretrained` picks the model family from `model_type` in
+config.json: 'llada' (also when the key is absent) or 'sdar'. Tensor names and layouts are those
+of the torch code: Linear weights are [out, in] and become [in, out] kernels here.
+
+LLaDA:
 
     HF name (prefix model.transformer.)     JAX path                       transpose
     wte.weight                              wte.embedding                  no
@@ -14,6 +17,23 @@ Linear weights are [out, in] and become [in, out] kernels here.
     ln_f.weight                             ln_f.weight                    no
     ff_out.weight                           lm_head.kernel                 yes
 
+SDAR (Qwen3 names):
+
+    HF name                                          JAX path                           transpose
+    model.embed_tokens.weight                        embed_tokens.embedding             no
+    model.layers.{i}.input_layernorm.weight          layers.{i}.input_layernorm.weight  no
+    model.layers.{i}.post_attention_layernorm.weight layers.{i}.post_attention_layernorm no
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight layers.{i}.self_attn.{q,k,v,o}_proj yes
+    model.layers.{i}.self_attn.{q,k}_norm.weight     layers.{i}.self_attn.{q,k}_norm    no
+    model.layers.{i}.mlp.gate_proj.weight            layers.{i}.mlp.ff_proj             yes
+    model.layers.{i}.mlp.up_proj.weight              layers.{i}.mlp.up_proj             yes
+    model.layers.{i}.mlp.down_proj.weight            layers.{i}.mlp.ff_out              yes
+    model.norm.weight                                norm.weight                        no
+    lm_head.weight                                   lm_head.kernel                     yes
+
+A checkpoint with `tie_word_embeddings: true` (and no lm_head.weight) loads its embedding into
+lm_head as well; the two are then separate parameters, and `save_pretrained` writes them untied.
+
 With a mesh, each parameter is built with `jax.make_array_from_callback`: every device reads only
 its own slice of the tensor from the memory-mapped file (`safe_open(...).get_slice`), so no
 device-sized or full host copy of a sharded tensor is ever made.
@@ -22,10 +42,11 @@ device-sized or full host copy of a sharded tensor is ever made.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +59,8 @@ from safetensors.numpy import save_file
 from stabledrl_jax.models import sharding as sharding_lib
 from stabledrl_jax.models.config import ModelConfig
 from stabledrl_jax.models.llada import LLaDA
+from stabledrl_jax.models.sdar import SDAR
+from stabledrl_jax.models.sdar_config import SDARConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -143,6 +166,127 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   return hf
 
 
+# SDAR: config.json keys that select Qwen3 variants this model does not implement, with the only
+# value supported here (an absent key takes that value).
+_SDAR_FIXED_KEYS = {
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+}
+
+
+def sdar_param_names(config: SDARConfig, *, tied: bool = False
+                     ) -> list[tuple[str, tuple[Any, ...], bool]]:
+  """(HF tensor name, JAX state path, transpose?) for every parameter of `SDAR(config)`.
+
+  tied: the checkpoint ties the output head to the embedding (lm_head reads
+  model.embed_tokens.weight).
+  """
+  names = [("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
+  for i in range(config.num_hidden_layers):
+    layer = f"model.layers.{i}."
+    names += [
+        (layer + "input_layernorm.weight", ("layers", i, "input_layernorm", "weight"), False),
+        (layer + "post_attention_layernorm.weight",
+         ("layers", i, "post_attention_layernorm", "weight"), False),
+    ]
+    names += [(layer + f"self_attn.{proj}.weight", ("layers", i, "self_attn", proj, "kernel"), True)
+              for proj in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [(layer + f"self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"),
+               False) for norm in ("q_norm", "k_norm")]
+    names += [(layer + f"mlp.{hf}.weight", ("layers", i, "mlp", ours, "kernel"), True)
+              for hf, ours in (("gate_proj", "ff_proj"), ("up_proj", "up_proj"),
+                               ("down_proj", "ff_out"))]
+  names.append(("model.norm.weight", ("norm", "weight"), False))
+  head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+  names.append((head, ("lm_head", "kernel"), True))
+  return names
+
+
+def _first_id(value: Any) -> Any:
+  return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def sdar_config_from_hf(hf: dict[str, Any], **overrides) -> SDARConfig:
+  """SDARConfig from an SDAR config.json dict; `overrides` set SDARConfig fields (dtypes...)."""
+  for key, supported in _SDAR_FIXED_KEYS.items():
+    if key in hf and hf[key] != supported:
+      raise NotImplementedError(f"config.json: {key}={hf[key]!r} is not supported "
+                                f"(this model implements {key}={supported!r})")
+  if hf.get("rope_scaling"):
+    raise NotImplementedError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported")
+  if hf.get("num_experts") or hf.get("num_local_experts"):
+    raise NotImplementedError("config.json describes a mixture-of-experts model; only dense SDAR "
+                              "is implemented")
+  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "vocab_size", "block_size", "mask_token_id"):
+    if key not in hf:
+      raise CheckpointError(f"config.json has no {key!r}")
+  fields = dict(
+      hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
+      num_attention_heads=hf["num_attention_heads"],
+      num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+      intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(hf.get("rope_theta", 10000.0)),
+      block_size=hf["block_size"], mask_token_id=hf["mask_token_id"],
+  )
+  if hf.get("eos_token_id") is not None:
+    fields["eos_token_id"] = _first_id(hf["eos_token_id"])
+  if hf.get("max_position_embeddings") is not None:
+    fields["max_position_embeddings"] = hf["max_position_embeddings"]
+  fields.update(overrides)
+  return SDARConfig(**fields)
+
+
+def sdar_config_to_hf(config: SDARConfig) -> dict[str, Any]:
+  """An SDAR config.json dict describing `config` (variant keys at their fixed values)."""
+  hf = dict(
+      architectures=["SDARForCausalLM"], model_type="sdar",
+      hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+      intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+      rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+      block_size=config.block_size, mask_token_id=config.mask_token_id,
+      eos_token_id=config.eos_token_id, max_position_embeddings=config.max_position_embeddings,
+      max_window_layers=config.num_hidden_layers, sliding_window=None, rope_scaling=None,
+      tie_word_embeddings=False, attention_dropout=0.0,
+      torch_dtype=jnp.dtype(config.param_dtype).name,
+  )
+  hf.update(_SDAR_FIXED_KEYS)
+  return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+  """How one model family maps onto a checkpoint directory."""
+
+  model_cls: type
+  config_from_hf: Callable[..., Any]
+  config_to_hf: Callable[[Any], dict[str, Any]]
+  param_names: Callable[[Any, dict[str, Any]], list[tuple[str, tuple[Any, ...], bool]]]
+
+
+FAMILIES = {
+    "llada": _Family(LLaDA, config_from_hf, config_to_hf,
+                     lambda config, hf: param_names(config)),
+    "sdar": _Family(SDAR, sdar_config_from_hf, sdar_config_to_hf,
+                    lambda config, hf: sdar_param_names(
+                        config, tied=bool(hf.get("tie_word_embeddings", False)))),
+}
+
+
+def model_family(hf: dict[str, Any]) -> str:
+  """The family of a config.json dict: its `model_type` ('llada' when absent)."""
+  model_type = hf.get("model_type", "llada")
+  if model_type not in FAMILIES:
+    raise NotImplementedError(f"config.json: model_type={model_type!r} is not supported; "
+                              f"choose from {sorted(FAMILIES)}")
+  return model_type
+
+
 # ---------------------------------------------------------------------------
 # Reading.
 # ---------------------------------------------------------------------------
@@ -215,8 +359,8 @@ def _load_array(reader: _Reader, name: str, shape: tuple[int, ...], transpose: b
 
 def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
                     rules: sharding_lib.LogicalRules = sharding_lib.LOGICAL_AXIS_RULES,
-                    **config_overrides) -> LLaDA:
-  """Load a LLaDA model from a Hugging Face checkpoint directory.
+                    **config_overrides) -> LLaDA | SDAR:
+  """Load a LLaDA or SDAR model (by config.json's model_type) from a checkpoint directory.
 
   Args:
     path: directory with config.json and model.safetensors (or shards + index).
@@ -225,24 +369,27 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
     mesh: if given, parameters are created sharded over it by the logical-axis `rules`, each
       device reading only its slice from disk. Use a mesh with `AxisType.Auto` axes.
     rules: logical axis rules (see `sharding.py`).
-    **config_overrides: ModelConfig fields, e.g. remat=True, param_dtype=..., logits_dtype=...
+    **config_overrides: ModelConfig (LLaDA) or SDARConfig (SDAR) fields, e.g. remat=True,
+      param_dtype=..., logits_dtype=...
 
   Raises:
     CheckpointError: a tensor is missing, unexpected or has the wrong shape (the error names it).
-    NotImplementedError: config.json selects an architecture variant not implemented here.
+    NotImplementedError: config.json selects a model type or an architecture variant not
+      implemented here.
   """
   if mesh is not None:
     sharding_lib.check_auto_mesh(mesh)
   with open(os.path.join(path, CONFIG_FILE)) as f:
     hf_config = json.load(f)
+  family = FAMILIES[model_family(hf_config)]
   overrides = dict(param_dtype=dtype, dtype=dtype)
   overrides.update(config_overrides)
-  config = config_from_hf(hf_config, **overrides)
+  config = family.config_from_hf(hf_config, **overrides)
 
-  abstract = nnx.eval_shape(lambda: LLaDA(config, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: family.model_cls(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(abstract_state))
-  entries = param_names(config)
+  entries = family.param_names(config, hf_config)
   unmapped = set(flat) - {state_path for _, state_path, _ in entries}
   assert not unmapped, f"model parameters without a checkpoint name: {sorted(unmapped)}"
 
@@ -297,8 +444,11 @@ def _shard_groups(sizes: list[int], max_bytes: int) -> Iterator[list[int]]:
     yield group
 
 
-def save_pretrained(model: LLaDA, path: str, *, max_shard_bytes: int = 5 * 2**30) -> None:
-  """Write `model` as a Hugging Face LLaDA checkpoint directory (readable by `from_pretrained`).
+def save_pretrained(model: LLaDA | SDAR, path: str, *, max_shard_bytes: int = 5 * 2**30) -> None:
+  """Write `model` as a Hugging Face checkpoint directory (readable by `from_pretrained`).
+
+  A LLaDA model is written with LLaDA's names and config keys, an SDAR model with Qwen3 / SDAR's
+  (model_type 'sdar', untied head).
 
   Tensors are stored in the parameter dtype. If they exceed `max_shard_bytes` in total they are
   split into model-0000k-of-0000n.safetensors files plus model.safetensors.index.json, as
@@ -306,11 +456,15 @@ def save_pretrained(model: LLaDA, path: str, *, max_shard_bytes: int = 5 * 2**30
   Single-process only: each array is gathered to the host.
   """
   config = model.config
+  family = next((f for f in FAMILIES.values() if isinstance(model, f.model_cls)), None)
+  if family is None:
+    raise TypeError(f"save_pretrained: no checkpoint format for {type(model).__name__}")
+  hf_config = family.config_to_hf(config)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
-    json.dump(config_to_hf(config), f, indent=2, sort_keys=True)
+    json.dump(hf_config, f, indent=2, sort_keys=True)
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  entries = param_names(config)
+  entries = family.param_names(config, hf_config)
   sizes = [int(np.prod(flat[p].shape)) * jnp.dtype(flat[p].dtype).itemsize for _, p, _ in entries]
   groups = list(_shard_groups(sizes, max_shard_bytes))
   for name in os.listdir(path):  # files of an earlier save would confuse the reader

@@ -1,4 +1,7 @@
-"""LLaDA's layers: Linear, Embed, RMSNorm, rotary embeddings, SwiGLU MLP, Attention.
+"""Transformer layers: Linear, Embed, RMSNorm, rotary embeddings, SwiGLU MLP, attention.
+
+LLaDA (`llada.py`) and SDAR (`sdar.py`) are built from these; `dot_product_attention` is the
+softmax-attention math both use (SDAR's attention layer adds q/k norms and its own masks).
 
 Every parameter is an `nnx.Param` whose `out_sharding` metadata holds *logical* axis names, one
 per array dimension (see `sharding.py` for the names and the default rules that map them to the
@@ -89,8 +92,13 @@ def rotary_angles(length: int, head_dim: int, theta: float) -> tuple[Array, Arra
   inv_freq_j = theta^(-2j / head_dim), j < head_dim / 2; angle = position * inv_freq, repeated
   for both halves of the head dimension.
   """
+  return rotary_angles_at(jnp.arange(length), head_dim, theta)
+
+
+def rotary_angles_at(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """cos, sin: [L, head_dim] float32 for the given positions [L] (int, may be traced)."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles = jnp.asarray(positions).astype(jnp.float32)[:, None] * inv_freq[None, :]
   angles = jnp.concatenate([angles, angles], axis=-1)
   return jnp.cos(angles), jnp.sin(angles)
 
@@ -159,10 +167,30 @@ class Attention(nnx.Module):
     k = self.k_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)
     k = apply_rotary(k, cos, sin)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (self.head_dim**-0.5)
-    if key_mask is not None:
-      scores = jnp.where(key_mask[:, None, None, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(self.dtype))
+    mask = None if key_mask is None else key_mask[:, None, :]
+    out = dot_product_attention(q, k, v, mask, dtype=self.dtype)
     return self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None, *,
+                          dtype: Any) -> Array:
+  """Grouped-query softmax attention; the math shared by the LLaDA and SDAR attention layers.
+
+  Args:
+    q: [B, T, K, G, hd] queries, already rotated (query head h = k * G + g reads kv head k).
+    k: [B, S, K, hd] rotated keys.
+    v: [B, S, K, hd] values.
+    mask: bool, broadcastable to [B, T, S] (True: the query may attend to the key), or None.
+    dtype: compute dtype of the probabilities and the output.
+
+  Returns:
+    [B, T, K, G, hd]. Scores q.k / sqrt(hd) are accumulated and soft-maxed in float32; masked
+    keys get the score finfo(float32).min, hence exactly zero weight.
+  """
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (q.shape[-1]**-0.5)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[1], k.shape[1]))
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  return jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dtype))

@@ -135,16 +135,7 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | 
   """A freshly initialized LLaDA; with a mesh, each parameter is created directly in its shards."""
   if mesh is None:
     return LLaDA(config, rngs=nnx.Rngs(seed))
-  sharding_lib.check_auto_mesh(mesh)
-  abstract = nnx.eval_shape(lambda: LLaDA(config, rngs=nnx.Rngs(seed)))
-  shardings = sharding_lib.param_shardings(abstract, mesh, rules)
-
-  @jax.jit
-  def init():
-    state = nnx.state(LLaDA(config, rngs=nnx.Rngs(seed)))
-    return jax.lax.with_sharding_constraint(state, shardings)
-
-  return nnx.merge(nnx.graphdef(abstract), init())
+  return sharding_lib.init_sharded(lambda: LLaDA(config, rngs=nnx.Rngs(seed)), mesh, rules)
 
 
 @functools.lru_cache(maxsize=32)

@@ -23,7 +23,7 @@ to change the layout without touching the model.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -111,3 +111,20 @@ def batch_sharding(mesh: Mesh, ndim: int = 2,
   """Sharding of a [B, ...] data array: the batch over the 'batch' rule's mesh axes."""
   spec = partition_spec(("batch",) + (None,) * (ndim - 1), None, mesh, rules)
   return NamedSharding(mesh, spec)
+
+
+def init_sharded(build: Callable[[], nnx.Module], mesh: Mesh,
+                 rules: LogicalRules = LOGICAL_AXIS_RULES) -> nnx.Module:
+  """`build()` with every parameter created directly in its shards (no full host copy).
+
+  `build` must be deterministic (it runs twice: abstractly for the shapes, then under jit).
+  """
+  check_auto_mesh(mesh)
+  abstract = nnx.eval_shape(build)
+  shardings = param_shardings(abstract, mesh, rules)
+
+  @jax.jit
+  def init():
+    return jax.lax.with_sharding_constraint(nnx.state(build()), shardings)
+
+  return nnx.merge(nnx.graphdef(abstract), init())

@@ -1,0 +1,343 @@
+"""The block-diffusion ELBO: every block of a sequence scored in one staircase forward pass.
+
+A block diffusion LM (SDAR) factorizes the likelihood over blocks of ``block_size`` positions,
+fixed by absolute position (block j = positions [j bs, (j + 1) bs), prompt included):
+
+    log pi(y | x) = sum_j log p(z_j | z_<j),   z = [x; y]
+
+and bounds each factor by a masked-diffusion ELBO inside the block. With m_j of the block's L_j
+completion tokens masked uniformly at random (m_j uniform on {1..L_j}, the count form of the
+ELBO),
+
+    log p(z_j | z_<j) >= E[(L_j / m_j) sum_{i masked} log p(z_i | z_<j, masked block j)]
+
+(prompt tokens are never masked; they condition every block). The staircase layout [x_t ; x_0]
+(``models/staircase.py``) computes log p(z_i | z_<j, masked block j) for *every* block j in one
+forward pass: noisy block j sees itself and the clean blocks < j only. A naive estimator needs one
+pass per block (``per_block_token_logprobs``, kept as the reference and the benchmark baseline).
+
+As in ``estimators.py``, an estimate is made in two steps, so that masks can be shared between the
+numerator and the denominator of a ratio:
+
+1. ``sample_block_masks``: K Monte Carlo masks per sequence, every block masked in each (t_j
+   stratified over the K samples, independently per block), as a :class:`BlockMaskSample` with the
+   unbiased weight of each scored token.
+2. ``estimate_from_block_masks``: one staircase pass over the K noisy copies (the clean stream is
+   shared by the K samples), then the weighted sum of the scored token log-probs.
+
+``estimate_block_elbo`` does both. ``normalize="sum"`` estimates log pi(y | x);
+``normalize="mean"`` estimates the per-token mean (1/L) log pi(y | x), L = completion length. For a
+model whose logits ignore the input, both are unbiased for the exact values (tests check it).
+
+Everything here is a pure function of arrays and explicit keys, with static shapes; the model is
+seen only as ``staircase_fn(noisy [R, B, L], clean [B, L], attention_mask [B, L]) -> logits
+[R, B, L, V]`` (e.g. ``lambda n, c, m: model.staircase(n, c, m)`` for an SDAR model), with L a
+multiple of block_size (``estimate_block_elbo`` pads to one).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+StaircaseFn = Callable[[Array, Array, Array], Array]
+LogitsFn = Callable[[Array, Array], Array]
+
+NORMALIZATIONS = ("sum", "mean")
+
+
+@flax.struct.dataclass
+class BlockMaskSample:
+  """R rows of per-block masks for a batch of B sequences of length L (R = K, or 2K coupled).
+
+  Attributes:
+    noisy: [R, B, L] bool, completion positions replaced by the mask token in x_t; these are
+      exactly the positions scored.
+    weight: [R, B, L] float32, the weight of each scored token's log-prob in the sum-form
+      estimate: L_j / m_j for a token of block j with m_j of its L_j completion tokens masked,
+      times 1/K (the Monte Carlo average); 0 where not scored.
+    rate: [R, B, L] float32, m_j / L_j of the token's block (0 outside the completion), so that
+      ``1[scored] / rate`` has expectation 1 for every completion token.
+  """
+
+  noisy: Array
+  weight: Array
+  rate: Array
+
+  @property
+  def num_rows(self) -> int:
+    return self.noisy.shape[0]
+
+
+@flax.struct.dataclass
+class BlockEstimate:
+  """An estimate with what it was made from.
+
+  Attributes:
+    value: [B] estimate, one per sequence.
+    token_logp: [R, B, L] log p(z_i | z_<j, noised block j) at every position.
+    masks: the :class:`BlockMaskSample` used.
+  """
+
+  value: Array
+  token_logp: Array
+  masks: BlockMaskSample
+
+
+def _check_inputs(tokens: Array, prompt_mask: Array, completion_mask: Array) -> None:
+  chex.assert_rank(tokens, 2)
+  chex.assert_shape([prompt_mask, completion_mask], tokens.shape)
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
+
+
+def _check_block_size(block_size: int) -> None:
+  if block_size < 1:
+    raise ValueError(f"block_size must be >= 1, got {block_size}.")
+
+
+def _safe_div(num: Array, den: Array) -> Array:
+  """num / den, 0 where den == 0 (blocks without completion tokens score nothing)."""
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0.0)
+
+
+def _to_blocks(x: Array, block_size: int, fill) -> Array:
+  """[..., L] -> [..., nb, block_size], padding the last block with `fill`."""
+  length = x.shape[-1]
+  padded = -(-length // block_size) * block_size
+  pad = [(0, 0)] * (x.ndim - 1) + [(0, padded - length)]
+  x = jnp.pad(x, pad, constant_values=fill)
+  return x.reshape(x.shape[:-1] + (padded // block_size, block_size))
+
+
+def _from_blocks(x: Array, length: int) -> Array:
+  """[..., nb, block_size] -> [..., L] (dropping the padding of the last block)."""
+  return x.reshape(x.shape[:-2] + (-1,))[..., :length]
+
+
+# ---------------------------------------------------------------------------
+# Masks.
+# ---------------------------------------------------------------------------
+
+
+def sample_block_masks(key: Array, completion_mask: Array, *, block_size: int,
+                       num_samples: int = 1, coupled: bool = False) -> BlockMaskSample:
+  """K masks per sequence, each masking every block that holds completion tokens.
+
+  For sample k and block j with L_j > 0 completion tokens: t ~ U((k/K, (k+1)/K]) (stratified
+  over the K samples, independent across blocks and sequences), m_j = ceil(t L_j) tokens of the
+  block's completion masked uniformly at random, weight L_j / m_j. Given m_j every token of the
+  block is masked with probability m_j / L_j, so the weighted sum is unbiased for the block's
+  log-likelihood (and m_j is uniform on {1..L_j}: the count form of the masked-diffusion ELBO).
+
+  ``coupled=True`` adds, for each sample, the complementary mask of every block (its other
+  L_j - m_j tokens): 2K rows; sizes m < L_j then get half the weight L_j / m (a size-m set arises
+  both as a mask and as a complement), so the estimate stays unbiased.
+
+  Args:
+    key: PRNG key; the same key gives the same masks.
+    completion_mask: [B, L] bool, the completion tokens that count (no padding, no prompt).
+    block_size: the model's block size; blocks are position // block_size.
+    num_samples: K.
+    coupled: add the complementary masks.
+
+  Returns:
+    A :class:`BlockMaskSample` with R = K rows (2K if coupled).
+  """
+  _check_block_size(block_size)
+  if num_samples < 1:
+    raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+  chex.assert_rank(completion_mask, 2)
+  completion_mask = completion_mask.astype(bool)
+  batch, length = completion_mask.shape
+  k = num_samples
+  key_t, key_order = jax.random.split(key)
+  eligible = _to_blocks(completion_mask, block_size, False)  # [B, nb, bs]
+  num_blocks = eligible.shape[1]
+  block_len = jnp.sum(eligible, axis=-1).astype(jnp.float32)  # [B, nb] L_j
+  u = jax.random.uniform(key_t, (k, batch, num_blocks))
+  t = (jnp.arange(k, dtype=jnp.float32)[:, None, None] + 1.0 - u) / k  # in (k/K, (k+1)/K]
+  count = jnp.clip(jnp.ceil(t * block_len[None]), 1, jnp.maximum(block_len[None], 1))
+  count = count * (block_len[None] > 0)  # [K, B, nb] m_j
+  # A uniformly random subset of `count` eligible tokens in each block.
+  priority = jnp.where(eligible[None], jax.random.uniform(key_order, (k,) + eligible.shape), 2.0)
+  rank = jnp.argsort(jnp.argsort(priority, axis=-1), axis=-1)
+  masked = eligible[None] & (rank < count[..., None])  # [K, B, nb, bs]
+  weight = _safe_div(block_len[None], count)
+  rate = _safe_div(count, block_len[None])
+  if coupled:
+    complement = eligible[None] & ~masked
+    count_c = block_len[None] - count
+    halves = jnp.where(count_c > 0, 2.0, 1.0)
+    masked = jnp.concatenate([masked, complement])
+    weight = jnp.concatenate([_safe_div(block_len[None], count * halves),
+                              _safe_div(block_len[None], count_c * 2.0)])
+    rate = jnp.concatenate([rate, _safe_div(count_c, block_len[None])])
+  weight = jnp.where(masked, weight[..., None] / k, 0.0)
+  rate = jnp.where(eligible[None], rate[..., None], 0.0)
+  return BlockMaskSample(noisy=_from_blocks(masked, length),
+                         weight=_from_blocks(weight, length).astype(jnp.float32),
+                         rate=_from_blocks(rate, length).astype(jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# Scoring.
+# ---------------------------------------------------------------------------
+
+
+def _pad_to_blocks(tokens: Array, noisy: Array, attention_mask: Array | None,
+                   block_size: int) -> tuple[Array, Array, Array]:
+  """Right-pads L to a multiple of block_size; the padding is excluded from attention."""
+  batch, length = tokens.shape
+  padded = -(-length // block_size) * block_size
+  mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+  extra = padded - length
+  if extra:
+    tokens = jnp.pad(tokens, ((0, 0), (0, extra)))
+    noisy = jnp.pad(noisy, ((0, 0), (0, 0), (0, extra)))
+    mask = jnp.pad(mask, ((0, 0), (0, extra)))
+  return tokens, noisy, mask
+
+
+def _logp_of(logits: Array, tokens: Array) -> Array:
+  """logits [..., L, V], tokens broadcastable to [..., L] -> log p(token) [..., L] in float32."""
+  logits = logits.astype(jnp.float32)
+  tokens = jnp.broadcast_to(tokens, logits.shape[:-1])
+  picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def staircase_token_logprobs(staircase_fn: StaircaseFn, tokens: Array, noisy: Array, *,
+                             mask_id: int, block_size: int,
+                             attention_mask: Array | None = None) -> Array:
+  """log p(z_i | z_<j, noised block j) at every position, all blocks and rows in one pass.
+
+  Args:
+    staircase_fn: (noisy [R, B, L'], clean [B, L'], attention_mask [B, L']) -> logits
+      [R, B, L', V] of the noisy streams, L' a multiple of block_size.
+    tokens: [B, L] clean tokens z.
+    noisy: [R, B, L] bool, positions replaced by ``mask_id`` in x_t.
+    mask_id: the mask token id.
+    block_size: the model's block size.
+    attention_mask: [B, L] bool, False for padding (e.g. a left-padded prompt), or None.
+
+  Returns:
+    [R, B, L] float32 log-probs of the clean tokens.
+  """
+  _check_block_size(block_size)
+  rows, batch, length = noisy.shape
+  chex.assert_shape(tokens, (batch, length))
+  padded_tokens, padded_noisy, mask = _pad_to_blocks(tokens, noisy, attention_mask, block_size)
+  noised = jnp.where(padded_noisy, mask_id, padded_tokens[None])
+  logits = staircase_fn(noised, padded_tokens, mask)
+  chex.assert_shape(logits, (rows, batch, padded_tokens.shape[1], None))
+  return _logp_of(logits, padded_tokens[None])[..., :length]
+
+
+def per_block_token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array, *, mask_id: int,
+                             block_size: int, attention_mask: Array | None = None) -> Array:
+  """The same log-probs as `staircase_token_logprobs`, from one block-causal pass per block.
+
+  The naive estimator (reference and benchmark baseline): for block j, a plain block-causal pass
+  over z with only block j noised (later blocks do not affect block j under block-causal
+  attention), keeping block j's logits. num_blocks sequential passes of R * B rows.
+
+  Args:
+    logits_fn: (tokens [N, L'], attention_mask [N, L']) -> logits [N, L', V], block-causal
+      (e.g. ``lambda t, m: model(t, m)`` for an SDAR model).
+    tokens, noisy, mask_id, block_size, attention_mask: as in `staircase_token_logprobs`.
+
+  Returns:
+    [R, B, L] float32.
+  """
+  _check_block_size(block_size)
+  rows, batch, length = noisy.shape
+  padded_tokens, padded_noisy, mask = _pad_to_blocks(tokens, noisy, attention_mask, block_size)
+  padded = padded_tokens.shape[1]
+  num_blocks = padded // block_size
+  block_of = jnp.arange(padded) // block_size
+  rows_mask = jnp.broadcast_to(mask[None], (rows, batch, padded)).reshape(rows * batch, padded)
+
+  def one_block(j):
+    inputs = jnp.where(padded_noisy & (block_of == j), mask_id, padded_tokens[None])
+    logits = logits_fn(inputs.reshape(rows * batch, padded), rows_mask)
+    logits = jax.lax.dynamic_slice_in_dim(logits, j * block_size, block_size, axis=1)
+    block_tokens = jax.lax.dynamic_slice_in_dim(padded_tokens, j * block_size, block_size, axis=1)
+    return _logp_of(logits.reshape(rows, batch, block_size, -1), block_tokens[None])
+
+  per_block = jax.lax.map(one_block, jnp.arange(num_blocks))  # [nb, R, B, bs]
+  return jnp.moveaxis(per_block, 0, 2).reshape(rows, batch, padded)[..., :length]
+
+
+def combine(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
+            normalize: str = "sum") -> Array:
+  """[B] estimate: sum over rows and positions of weight * log-prob ('mean': / completion length).
+
+  Args:
+    token_logp: [R, B, L].
+    masks: the rows' :class:`BlockMaskSample`.
+    completion_mask: [B, L] bool (its row sums are the lengths of the 'mean' form).
+    normalize: 'sum' (log-likelihood) or 'mean' (per completion token).
+  """
+  if normalize not in NORMALIZATIONS:
+    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
+  total = jnp.sum(jnp.where(masks.noisy, masks.weight * token_logp, 0.0), axis=(0, 2))
+  if normalize == "sum":
+    return total
+  return _safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32))
+
+
+def estimate_from_block_masks(staircase_fn: StaircaseFn, tokens: Array, completion_mask: Array,
+                              masks: BlockMaskSample, *, mask_id: int, block_size: int,
+                              normalize: str = "sum",
+                              attention_mask: Array | None = None) -> BlockEstimate:
+  """Scores given masks: one staircase pass over the R noisy rows and the shared clean stream."""
+  token_logp = staircase_token_logprobs(staircase_fn, tokens, masks.noisy, mask_id=mask_id,
+                                        block_size=block_size, attention_mask=attention_mask)
+  return BlockEstimate(value=combine(token_logp, masks, completion_mask, normalize),
+                       token_logp=token_logp, masks=masks)
+
+
+def estimate_block_elbo(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: Array,
+                        completion_mask: Array, key: Array, *, mask_id: int, block_size: int,
+                        num_samples: int = 1, normalize: str = "sum", coupled: bool = False,
+                        masks: BlockMaskSample | None = None,
+                        attention_mask: Array | None = None,
+                        return_details: bool = False) -> Array | BlockEstimate:
+  """Estimate log pi(y | x) of a block diffusion model, every block scored in one pass.
+
+  Args:
+    staircase_fn: (noisy [R, B, L'], clean [B, L'], attention_mask [B, L']) -> logits
+      [R, B, L', V] (see the module docstring).
+    tokens: [B, L] clean tokens z = [x; y] (int); blocks are position // block_size.
+    prompt_mask: [B, L] bool, prompt tokens x (never masked; they condition every block).
+    completion_mask: [B, L] bool, completion tokens y that count (no padding).
+    key: PRNG key (unused when ``masks`` is given).
+    mask_id: the mask token id.
+    block_size: the model's block size.
+    num_samples: K Monte Carlo samples, scored in the same pass.
+    normalize: 'sum' (log-likelihood) or 'mean' (per completion token).
+    coupled: also score the complementary mask of every block (2K rows).
+    masks: reuse these masks (e.g. for both sides of a ratio) instead of sampling.
+    attention_mask: [B, L] bool, False for padding positions (left-padded prompts), or None.
+    return_details: return a :class:`BlockEstimate` instead of the [B] values.
+
+  Returns:
+    [B] float32 estimates, or a :class:`BlockEstimate`.
+  """
+  _check_inputs(tokens, prompt_mask, completion_mask)
+  if normalize not in NORMALIZATIONS:
+    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
+  if masks is None:
+    masks = sample_block_masks(key, completion_mask, block_size=block_size,
+                               num_samples=num_samples, coupled=coupled)
+  chex.assert_shape(masks.noisy, (None,) + tokens.shape)
+  estimate = estimate_from_block_masks(staircase_fn, tokens, completion_mask, masks,
+                                       mask_id=mask_id, block_size=block_size,
+                                       normalize=normalize, attention_mask=attention_mask)
+  return estimate if return_details else estimate.value
