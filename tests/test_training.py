@@ -1,5 +1,6 @@
 """The trainer: config validation, every objective, skip-on-NaN, kill-and-resume, 8 devices."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -80,9 +81,16 @@ def workdir_with_start(path, sft_start):
     ("optimizer.learning_rate", -1.0, "optimizer.learning_rate"),
     ("train.microbatch_groups", 3, "train.microbatch_groups"),
     ("objective.grpo.level", "word", "objective.grpo.level"),
+    ("estimator.stress.fraction", 1.5, "estimator.stress.fraction"),
+    ("estimator.stress.fraction", -0.1, "estimator.stress.fraction"),
+    ("estimator.stress.easy_rate", 0.0, "estimator.stress.easy_rate"),
+    ("estimator.stress.hard_rate", 1.2, "estimator.stress.hard_rate"),
+    ("estimator.stress.easy_rate", 0.9, "estimator.stress.easy_rate"),  # > hard_rate 0.8
 ])
 def test_bad_config_values_name_the_field(field, value, match):
   config = tiny_config(**{field: value})
+  if field.startswith("estimator.stress.") and value == 0.9:
+    config.estimator.stress.hard_rate = 0.8
   if field == "objective.grpo.level":
     config.objective.name = "grpo"
   with pytest.raises(ValueError, match=match.replace(".", r"\.")):
@@ -96,7 +104,8 @@ def test_token_level_grpo_needs_mean_field():
 
 
 def test_kl_needs_a_reference_model():
-  config = tiny_config(**{"objective.name": "grpo", "objective.grpo.beta": 0.04})
+  config = tiny_config(**{"objective.name": "grpo", "objective.grpo.beta": 0.04,
+                          "estimator.method": ""})
   with pytest.raises(ValueError, match="train.reference_model"):
     config_lib.validate(config)
 
@@ -151,10 +160,39 @@ def test_non_finite_update_is_skipped_and_counted():
   assert float(good["update_norm"]) > 0
 
 
+def test_coupled_ratio_is_exactly_one_before_any_update():
+  """l_old from the update's own key: the same masks, so log rho = 0 at the first update."""
+  config = models.get_config("tiny", n_layers=1, vocab_size=16, mask_token_id=15,
+                             eos_token_id=14)
+  graphdef, params = nnx.split(models.LLaDA(config, rngs=nnx.Rngs(0)), nnx.Param)
+  tx = optax.adamw(1e-2)
+  n, length = 8, 10
+  prompt = jnp.zeros((n, length), bool).at[:, :4].set(True)
+  batch = rl_loss.RolloutBatch(
+      tokens=jax.random.randint(jax.random.key(1), (n, length), 0, 14), prompt_mask=prompt,
+      completion_mask=~prompt, attention_mask=jnp.ones((n, length), bool),
+      advantages=jnp.array([1.0, -1.0] * 4), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
+                                token_level=False, eubo_beta=None, mask_id=15)
+  key = jax.random.key(3)
+  old = train_step.estimate_no_grad(params, batch, key, graphdef=graphdef, spec=spec,
+                                    group_size=2, num_microbatches=2)
+  _, metrics = train_step.update_step(
+      train_step.create_train_state(params, tx, seed=0), batch.replace(old_logp=old), key,
+      graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
+      hparams=(("surrogate", "elbo"),), group_size=2, num_microbatches=2, use_reference=False)
+  assert abs(float(metrics["log_ratio/max"])) < 1e-6
+  assert abs(float(metrics["log_ratio/min"])) < 1e-6
+  other = train_step.estimate_no_grad(params, batch, jax.random.key(4), graphdef=graphdef,
+                                      spec=spec, group_size=2, num_microbatches=2)
+  assert float(jnp.max(jnp.abs(other - old))) > 1e-3  # independent masks: estimator noise
+
+
 def test_microbatches_keep_groups_whole():
   batch = jnp.arange(12)  # 6 groups of 2, microbatch m gets groups m, m + 3.
   split = train_step._split_microbatches(batch, 3, 2)
   np.testing.assert_array_equal(split, [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]])
+  np.testing.assert_array_equal(train_step._merge_microbatches(split, 3, 2), batch)
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +218,7 @@ def _comparable(records):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective,extra", [
     ("stabledrl", {}),
-    ("grpo", {"objective.grpo.level": "token"}),
+    ("grpo", {"objective.grpo.level": "token", "estimator.method": ""}),  # d1: mean_field
     ("grpo", {"objective.grpo.level": "sequence"}),
     ("espo", {"estimator.schedule": "count", "estimator.coupled": True}),
     ("spg", {}),
@@ -196,6 +234,58 @@ def test_every_objective_runs_a_step(objective, extra, tmp_path, sft_start):
     assert np.isfinite(record[name]), (name, record)
   lines = metrics_writer.read_metrics(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in lines] == [1]
+
+
+@pytest.mark.slow
+def test_stress_masks_make_the_log_ratio_explode(tmp_path, sft_start):
+  """SPEC section 5: easy numerator / hard denominator masks blow up log rho.
+
+  Sequence-level GRPO (sum-form ELBO), one update, with the coupled ratio so that
+  estimator noise is out of the picture: without stress log rho is exactly 0 before
+  the update, with every sample stressed it is the easy-minus-hard gap.
+  """
+  def log_ratios(name, fraction):
+    config = tiny_config(**{"objective.name": "grpo", "objective.grpo.level": "sequence",
+                            "train.num_steps": 1, "train.num_iterations": 1,
+                            "estimator.coupled_ratio": True,
+                            "estimator.stress.fraction": fraction})
+    record = trainer.train(config, str(workdir_with_start(tmp_path / name, sft_start)))[0]
+    np.testing.assert_allclose(record["log10_ratio/max"], record["log_ratio/max"] / np.log(10),
+                               rtol=1e-6)
+    return record["log_ratio/min"], record["log_ratio/mean"], record["log_ratio/max"]
+
+  normal = log_ratios("normal", 0.0)
+  np.testing.assert_allclose(normal, 0.0, atol=1e-5)
+  _, stress_mean, stress_max = log_ratios("stress", 1.0)
+  assert stress_mean > 5.0 and stress_max > 10.0, (stress_mean, stress_max)
+
+
+def test_stress_selection_is_shared_by_numerator_and_denominator():
+  """l_theta (easy) and l_old (hard) differ only on the selected samples."""
+  config = models.get_config("tiny", n_layers=1, vocab_size=16, mask_token_id=15,
+                             eos_token_id=14)
+  model = models.LLaDA(config, rngs=nnx.Rngs(0))
+  n, length = 6, 12
+  prompt = jnp.zeros((n, length), bool).at[:, :4].set(True)
+  stressed = jnp.array([True, False, True, False, False, True])
+  batch = rl_loss.RolloutBatch(
+      tokens=jax.random.randint(jax.random.key(1), (n, length), 0, 14), prompt_mask=prompt,
+      completion_mask=~prompt, attention_mask=jnp.ones((n, length), bool),
+      advantages=jnp.zeros(n), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n), stressed=stressed)
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="sum",
+                                token_level=False, eubo_beta=None, mask_id=15,
+                                stress_rates=(0.125, 1.0))
+  logits_fn = rl_loss.model_logits_fn(model, batch.attention_mask)
+  key = jax.random.key(3)
+  plain, _ = rl_loss.estimate(logits_fn, batch, key, spec)
+  easy, _ = rl_loss.estimate(logits_fn, batch, key, spec, stress_mode="easy")
+  hard, _ = rl_loss.estimate(logits_fn, batch, key, spec, stress_mode="hard")
+  np.testing.assert_array_equal(easy[~stressed], plain[~stressed])
+  np.testing.assert_array_equal(hard[~stressed], plain[~stressed])
+  assert np.all(np.abs(easy[stressed] - hard[stressed]) > 1e-3)
+  # Without stress rates in the spec, the mode changes nothing.
+  off = dataclasses.replace(spec, stress_rates=None)
+  np.testing.assert_array_equal(rl_loss.estimate(logits_fn, batch, key, off, "easy")[0], plain)
 
 
 @pytest.mark.slow

@@ -187,10 +187,18 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None, *,
     [B, T, K, G, hd]. Scores q.k / sqrt(hd) are accumulated and soft-maxed in float32; masked
     keys get the score finfo(float32).min, hence exactly zero weight.
   """
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * (q.shape[-1]**-0.5)
+  b, t, kv_heads, groups, head_dim = q.shape
+  s = k.shape[1]
+  # Canonical batched-matmul layouts ([B, K, G*T, hd] @ [B, K, hd, S]): XLA's CPU backend runs
+  # these about 2x faster than the same contraction written as one 5-d einsum.
+  q_rows = jnp.transpose(q, (0, 2, 3, 1, 4)).reshape(b, kv_heads, groups * t, head_dim)
+  k_cols = jnp.transpose(k, (0, 2, 3, 1))  # [B, K, hd, S]
+  scores = jnp.matmul(q_rows, k_cols, preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, kv_heads, groups, t, s) * (head_dim**-0.5)
   if mask is not None:
-    mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[1], k.shape[1]))
+    mask = jnp.broadcast_to(mask, (b, t, s))
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  return jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dtype))
+  out = jnp.matmul(probs.reshape(b, kv_heads, groups * t, s),
+                   jnp.transpose(v, (0, 2, 1, 3)).astype(dtype))  # [B, K, G*T, hd]
+  return jnp.transpose(out.reshape(b, kv_heads, groups, t, head_dim), (0, 3, 1, 2, 4))

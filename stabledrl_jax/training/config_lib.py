@@ -69,7 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
       num_samples=2,
       normalize="",  # '' = what the objective expects
       coupled_ratio=False,  # same masks for l_theta and l_old (else independent, as official)
-      block_length=32, prompt_mask_prob=0.15, schedule="bernoulli", coupled=False))
+      block_length=32, prompt_mask_prob=0.15, schedule="bernoulli", coupled=False,
+      # Stress test (SPEC section 5): in this fraction of the samples (0: off), l_theta uses
+      # "easy" masks (the last ceil(easy_rate * L) completion tokens, t_min) and l_old "hard"
+      # ones (the first ceil(hard_rate * L), t_max), so that log rho explodes.
+      stress=ml_collections.ConfigDict(dict(fraction=0.0, easy_rate=0.1, hard_rate=1.0))))
 
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=1e-6, schedule="linear", warmup_steps=0, end_lr_factor=0.0,
@@ -155,6 +159,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.estimator.num_samples >= 1, "estimator.num_samples", "must be >= 1")
   _require(0 <= config.estimator.prompt_mask_prob <= 1, "estimator.prompt_mask_prob",
            "must lie in [0, 1]")
+  stress = config.estimator.stress
+  _require(0 <= stress.fraction <= 1, "estimator.stress.fraction",
+           f"must lie in [0, 1] (0: off), got {stress.fraction}")
+  for field in ("easy_rate", "hard_rate"):
+    _require(0 < stress[field] <= 1, f"estimator.stress.{field}",
+             f"must lie in (0, 1], got {stress[field]}")
+  _require(stress.easy_rate <= stress.hard_rate, "estimator.stress.easy_rate",
+           f"the easy masks must not mask more than the hard ones, got easy_rate="
+           f"{stress.easy_rate} > hard_rate={stress.hard_rate}")
   if name == "stabledrl":
     s = config.objective.stabledrl
     _require(0 <= s.min_ratio < s.max_ratio, "objective.stabledrl.max_ratio",
@@ -217,6 +230,9 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int) -> rl_loss.
     options = {"schedule": e.schedule, "coupled": e.coupled}
   else:
     options = {"block_length": e.block_length, "prompt_mask_prob": e.prompt_mask_prob}
+  stress_rates = None
+  if e.stress.fraction > 0:
+    stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
   eubo_beta = None
   if name in ("stabledrl", "spg") and config.objective[name].surrogate == "sandwich":
     eubo_beta = float(config.objective[name].eubo_beta)
@@ -224,7 +240,7 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int) -> rl_loss.
       method=method, num_samples=e.num_samples,
       normalize=e.normalize or losses.get_objective(name).normalize,
       token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
-      options=tuple(sorted(options.items())))
+      options=tuple(sorted(options.items())), stress_rates=stress_rates)
 
 
 def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:

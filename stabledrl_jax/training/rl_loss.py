@@ -30,6 +30,7 @@ class RolloutBatch:
     advantages: [N] float32 group-relative advantages.
     old_logp: [N] (or [N, L] at token level) estimates under pi_old, no gradient.
     ref_logp: like ``old_logp`` under the frozen reference policy (zeros when unused).
+    stressed: [N] bool, the samples given stress-test masks (SPEC section 5), or None.
   """
 
   tokens: Array
@@ -39,6 +40,7 @@ class RolloutBatch:
   advantages: Array
   old_logp: Array
   ref_logp: Array
+  stressed: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,8 @@ class LikelihoodSpec:
     eubo_beta: compute SPG's EUBO_beta from the same forward pass (None: no EUBO).
     mask_id: the mask token id.
     options: sorted (name, value) pairs for the estimator's mask sampler.
+    stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
+      (numerator) and "hard" (denominator) masks; None: no stress test.
   """
 
   method: str
@@ -62,6 +66,7 @@ class LikelihoodSpec:
   eubo_beta: float | None
   mask_id: int
   options: tuple[tuple[str, Any], ...] = ()
+  stress_rates: tuple[float, float] | None = None
 
 
 def model_logits_fn(model: Callable[..., Array],
@@ -76,17 +81,31 @@ def model_logits_fn(model: Callable[..., Array],
 
 
 def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array,
-             spec: LikelihoodSpec) -> tuple[Array, Array | None]:
+             spec: LikelihoodSpec, stress_mode: str | None = None) -> tuple[Array, Array | None]:
   """Likelihood estimates of the batch's completions.
+
+  Args:
+    stress_mode: 'easy' (the numerator l_theta) or 'hard' (the denominator
+      l_old): with ``spec.stress_rates`` set, the ``batch.stressed`` samples
+      get the stress test's biased masks of that mode instead of fresh ones.
+      None: fresh masks for every sample.
 
   Returns:
     logp: [N] per-sequence estimates, or [N, L] per-token log-probs at token level.
     eubo: [N] EUBO_beta estimates, or None.
   """
+  masks = estimators.sample_masks(key, batch.prompt_mask, batch.completion_mask,
+                                  method=spec.method, num_samples=spec.num_samples,
+                                  **dict(spec.options))
+  if stress_mode is not None and spec.stress_rates is not None:
+    rate = spec.stress_rates[0] if stress_mode == "easy" else spec.stress_rates[1]
+    stress = estimators.stress_masks(batch.prompt_mask, batch.completion_mask,
+                                     mode=stress_mode, rate=rate, num_samples=masks.num_rows)
+    masks = estimators.select_masks(batch.stressed, stress, masks)
   details = estimators.estimate_logp(
       logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
-      method=spec.method, mask_id=spec.mask_id, num_samples=spec.num_samples,
-      normalize=spec.normalize, return_details=True, **dict(spec.options))
+      method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize, masks=masks,
+      return_details=True)
   if spec.token_level:
     scored = details.masks.scored.astype(jnp.float32)
     hits = jnp.sum(scored, axis=0)
@@ -102,8 +121,11 @@ def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Arra
 def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array, *,
                    spec: LikelihoodSpec, objective: str, hparams: tuple[tuple[str, Any], ...],
                    group_size: int, use_reference: bool) -> tuple[Array, dict[str, Array]]:
-  """The objective's (loss, metrics) on fresh estimates under the current parameters."""
-  logp, eubo = estimate(logits_fn, batch, key, spec)
+  """The objective's (loss, metrics) on fresh estimates under the current parameters.
+
+  In a stress test the numerator l_theta of the stressed samples uses "easy" masks.
+  """
+  logp, eubo = estimate(logits_fn, batch, key, spec, stress_mode="easy")
   mask = batch.completion_mask if spec.token_level else None
   inputs = losses.ObjectiveInputs(
       logp=logp, advantages=batch.advantages, old_logp=batch.old_logp, mask=mask,

@@ -9,6 +9,7 @@ untouched and increments ``skipped_steps``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import flax.struct
@@ -65,6 +66,12 @@ def _split_microbatches(batch: rl_loss.RolloutBatch, num_microbatches: int,
   return jax.tree.map(split, batch)
 
 
+def _merge_microbatches(x: Array, num_microbatches: int, group_size: int) -> Array:
+  """Inverse of ``_split_microbatches``: [M, N / M, ...] -> [N, ...] in the batch's order."""
+  groups = x.reshape((num_microbatches, -1, group_size) + x.shape[2:])
+  return jnp.swapaxes(groups, 0, 1).reshape((-1,) + x.shape[2:])
+
+
 def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
   """Microbatch metrics [M] -> scalars: max of '/max' metrics, min of '/min', else mean."""
   out = {}
@@ -104,6 +111,8 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   grads, stacked = jax.lax.scan(accumulate, zeros, (micro, keys))
   metrics = _reduce_metrics(stacked)
+  if "log_ratio/max" in metrics:
+    metrics["log10_ratio/max"] = metrics["log_ratio/max"] / math.log(10.0)
 
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -137,9 +146,22 @@ def make_update_fn(graphdef: Any, tx: optax.GradientTransformation, *,
 
 
 def estimate_no_grad(params: Any, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
-                     spec: rl_loss.LikelihoodSpec) -> Array:
-  """l_old (or l_ref): estimates under fixed parameters, without gradient."""
+                     spec: rl_loss.LikelihoodSpec, group_size: int, num_microbatches: int,
+                     stress_mode: str | None = None) -> Array:
+  """l_old (stress test: ``stress_mode='hard'``) or l_ref: estimates under fixed parameters.
+
+  Runs over the same microbatches with the same keys as ``update_step``, so that the same
+  ``key`` gives the same masks (the coupled ratio), and so that memory stays per microbatch.
+  """
   model = nnx.merge(graphdef, params)
-  logp, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, batch.attention_mask), batch, key,
-                             spec)
-  return jax.lax.stop_gradient(logp)
+  micro = _split_microbatches(batch, num_microbatches, group_size)
+  keys = jax.random.split(key, num_microbatches)
+
+  def one(inputs):
+    mb, mb_key = inputs
+    logp, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, mb.attention_mask), mb, mb_key,
+                               spec, stress_mode=stress_mode)
+    return logp
+
+  logp = jax.lax.map(one, (micro, keys))
+  return jax.lax.stop_gradient(_merge_microbatches(logp, num_microbatches, group_size))

@@ -5,7 +5,9 @@ One RL step:
 1. P prompts, each repeated G times; rollouts from pi_old (the current parameters).
 2. Rewards on the host; group-relative advantages.
 3. l_old under pi_old (independent masks, or the inner iterations' own masks when
-   ``estimator.coupled_ratio``), and l_ref under a frozen reference if asked.
+   ``estimator.coupled_ratio``), and l_ref under a frozen reference if asked. In a
+   stress test (``estimator.stress.fraction > 0``, SPEC section 5) a fraction of the
+   samples, chosen once per step, gets "hard" masks for l_old and "easy" masks for l_theta.
 4. ``train.num_iterations`` updates with fresh masks each; a non-finite loss or
    gradient skips its update.
 
@@ -27,12 +29,14 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from stabledrl_jax import losses, models, sampling, tasks
+from stabledrl_jax import estimators, losses, models, sampling, tasks
 from stabledrl_jax.training import checkpointing, config_lib, data, mesh as mesh_lib
 from stabledrl_jax.training import metrics_writer, optimizer as optimizer_lib, rl_loss
 from stabledrl_jax.training import supervised, train_step
 
 SFT_DIR = "sft_model"
+# Folded into the step key for the stress selection, so that the other keys stay as they were.
+_STRESS_KEY = 0x57e55
 
 
 class TooManySkipsError(RuntimeError):
@@ -152,8 +156,11 @@ class Trainer:
         num_microbatches=config_lib.num_microbatches(config),
         use_reference=config.train.reference_model)
     self.estimate_no_grad = jax.jit(
-        lambda params, batch, key: train_step.estimate_no_grad(
-            params, batch, key, graphdef=self.graphdef, spec=self.spec))
+        lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
+            params, batch, key, graphdef=self.graphdef, spec=self.spec,
+            group_size=config.rollout.group_size,
+            num_microbatches=config_lib.num_microbatches(config), stress_mode=stress_mode),
+        static_argnames="stress_mode")
     self.writer = metrics_writer.MetricsWriter(workdir, resume_step=self.start_step)
 
   # -------------------------------------------------------------------------
@@ -176,8 +183,8 @@ class Trainer:
         prompt_mask=jax.device_put(prompt_mask, self.batch_sharding))
     return np.asarray(tokens)
 
-  def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray,
-                 advantages: np.ndarray) -> rl_loss.RolloutBatch:
+  def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, advantages: np.ndarray,
+                 stressed: np.ndarray | None = None) -> rl_loss.RolloutBatch:
     """Arrays of the rollouts, sharded over the batch axis."""
     r = self.config.rollout
     completion = np.asarray(sampling.completion_mask(tokens, r.prompt_length,
@@ -191,7 +198,7 @@ class Trainer:
         attention_mask=np.concatenate([prompt_mask, ~no_gen], axis=1),
         advantages=advantages.astype(np.float32),
         old_logp=np.zeros(self._logp_shape(tokens), np.float32),
-        ref_logp=np.zeros(self._logp_shape(tokens), np.float32))
+        ref_logp=np.zeros(self._logp_shape(tokens), np.float32), stressed=stressed)
     return jax.device_put(batch, self.batch_sharding)
 
   def _logp_shape(self, tokens: np.ndarray) -> tuple[int, ...]:
@@ -241,15 +248,20 @@ class Trainer:
     advantages = np.asarray(losses.group_advantages(
         jnp.asarray(rewards), r.group_size,
         scale_by_std=config.objective.scale_advantages_by_std))
-    batch = self.make_batch(tokens, prompt_mask, advantages)
+    stressed = None
+    if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
+      stressed = np.asarray(estimators.stress_selection(
+          jax.random.fold_in(key, _STRESS_KEY), len(tokens), config.estimator.stress.fraction))
+    batch = self.make_batch(tokens, prompt_mask, advantages, stressed)
     if self.ref_params is not None:
       batch = batch.replace(ref_logp=self.estimate_no_grad(self.ref_params, batch, key_old))
     old = None
     if self.needs_old:
       if config.estimator.coupled_ratio:  # The inner iterations' own masks, before any update.
-        old = [self.estimate_no_grad(self.state.params, batch, k) for k in inner_keys]
+        old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in inner_keys]
       else:  # Independent masks, as the official code: pure estimator noise at iteration 0.
-        old = [self.estimate_no_grad(self.state.params, batch, key_old)] * len(inner_keys)
+        old = [self.estimate_no_grad(self.state.params, batch, key_old, "hard")
+               ] * len(inner_keys)
 
     inner = []
     for i, inner_key in enumerate(inner_keys):

@@ -1,0 +1,33 @@
+r"""Stress test (SPEC section 5) at quickstart scale: every objective, normal and stressed.
+
+  python experiments/stress_test.py --config configs/stress_test.py --workdir runs/stress_test
+
+The tiny model and synthetic 4x4 sudoku of ``configs/quickstart.py``, with fewer
+and smaller RL steps so that 6 objectives x 2 conditions fit in minutes on 2 CPU
+cores. ``experiments/stress_test.py`` sets ``objective.name`` (and the GRPO level)
+and ``estimator.stress.fraction`` per run.
+"""
+
+import importlib.util
+import pathlib
+
+
+def _quickstart():
+  path = pathlib.Path(__file__).with_name("quickstart.py")
+  spec = importlib.util.spec_from_file_location("quickstart", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def get_config():
+  c = _quickstart()
+  c.rollout.update(num_prompts=8, group_size=8, steps=20)
+  c.train.update(num_steps=10, num_iterations=2)
+  c.optimizer.update(grad_clip=1.0)
+  c.eval.update(every_steps=0)
+  c.checkpoint.update(every_steps=1000, max_to_keep=1)  # Only the last step.
+  c.sft.update(num_steps=600)
+  # t_min = 0.1 (the last 4 of 40 completion tokens), t_max = 1.0 (all of them).
+  c.estimator.stress.update(fraction=0.0, easy_rate=0.1, hard_rate=1.0)
+  return c
