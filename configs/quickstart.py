@@ -34,7 +34,7 @@ def get_config():
   c.objective.stabledrl.surrogate = "elbo"
   c.estimator.update(method="elbo", num_samples=2)
   c.optimizer.update(learning_rate=1e-4, grad_clip=1.0, weight_decay=0.0)
-  c.train.update(num_steps=60, num_iterations=2)
+  c.train.update(num_steps=120, num_iterations=2)
   c.eval.update(every_steps=10, batch_size=128, steps=20)
   c.checkpoint.update(every_steps=10, max_to_keep=2)
   c.sft.update(num_steps=400, batch_size=64, learning_rate=2e-3, demo_error_rate=0.75,
