@@ -44,6 +44,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from stabledrl_jax import estimators
+
 Array = jax.Array
 StaircaseFn = Callable[[Array, Array, Array], Array]
 LogitsFn = Callable[[Array, Array], Array]
@@ -87,13 +89,6 @@ class BlockEstimate:
   value: Array
   token_logp: Array
   masks: BlockMaskSample
-
-
-def _check_inputs(tokens: Array, prompt_mask: Array, completion_mask: Array) -> None:
-  chex.assert_rank(tokens, 2)
-  chex.assert_shape([prompt_mask, completion_mask], tokens.shape)
-  if not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
 
 
 def _check_block_size(block_size: int) -> None:
@@ -330,7 +325,7 @@ def estimate_block_elbo(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: A
   Returns:
     [B] float32 estimates, or a :class:`BlockEstimate`.
   """
-  _check_inputs(tokens, prompt_mask, completion_mask)
+  estimators.check_token_batch(tokens, prompt_mask, completion_mask)
   if normalize not in NORMALIZATIONS:
     raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
   if masks is None:

@@ -95,7 +95,8 @@ class Estimate:
 # ---------------------------------------------------------------------------
 
 
-def _check_masks(tokens: Array, prompt_mask: Array, completion_mask: Array) -> None:
+def check_token_batch(tokens: Array, prompt_mask: Array, completion_mask: Array) -> None:
+  """tokens [B, L] integer ids with prompt and completion masks of the same shape."""
   chex.assert_rank(tokens, 2)
   chex.assert_shape([prompt_mask, completion_mask], tokens.shape)
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -386,7 +387,7 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
   Returns:
     [B] float32 estimates, or an :class:`Estimate`.
   """
-  _check_masks(tokens, prompt_mask, completion_mask)
+  check_token_batch(tokens, prompt_mask, completion_mask)
   if masks is None:
     masks = sample_masks(key, prompt_mask, completion_mask, method=method,
                          num_samples=num_samples, **options)

@@ -16,23 +16,32 @@ Modules: `config` / `sdar_config` (configs), `layers` (RMSNorm, rotary, SwiGLU M
 `sharding` (logical axis names and rules), `hf_io` (safetensors IO).
 """
 
-import jax.numpy as jnp
+import functools
 
-from stabledrl_jax.models import llada as _llada
-from stabledrl_jax.models import sdar as _sdar
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
 from stabledrl_jax.models.config import CONFIG_NAMES, ModelConfig, get_config
 from stabledrl_jax.models.hf_io import CheckpointError, from_pretrained, save_pretrained
 from stabledrl_jax.models.llada import LLaDA
 from stabledrl_jax.models.sdar import SDAR, KVCache
 from stabledrl_jax.models.sdar_config import SDAR_CONFIG_NAMES, SDARConfig, get_sdar_config
-from stabledrl_jax.models.sharding import LOGICAL_AXIS_RULES, batch_sharding, param_shardings
+from stabledrl_jax.models.sharding import (LOGICAL_AXIS_RULES, batch_sharding, init_sharded,
+                                           param_shardings)
 
 
+def _model_class(config: ModelConfig | SDARConfig):
+  return SDAR if isinstance(config, SDARConfig) else LLaDA
+
+
+@functools.lru_cache(maxsize=32)
 def count_params(config: ModelConfig | SDARConfig) -> int:
   """Parameters of the model a config describes (LLaDA or SDAR), traced abstractly."""
-  if isinstance(config, SDARConfig):
-    return _sdar.count_params(config)
-  return _llada.count_params(config)
+  abstract = nnx.eval_shape(lambda: _model_class(config)(config, rngs=nnx.Rngs(0)))
+  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+  return int(sum(np.prod(leaf.shape) for leaf in leaves))
 
 
 def param_bytes(config: ModelConfig | SDARConfig, dtype=jnp.bfloat16) -> int:
@@ -43,9 +52,8 @@ def param_bytes(config: ModelConfig | SDARConfig, dtype=jnp.bfloat16) -> int:
 def init_model(config: ModelConfig | SDARConfig, *, seed: int = 0, mesh=None,
                rules=LOGICAL_AXIS_RULES):
   """A freshly initialized LLaDA or SDAR (by config type); with a mesh, created in its shards."""
-  if isinstance(config, SDARConfig):
-    return _sdar.init_model(config, seed=seed, mesh=mesh, rules=rules)
-  return _llada.init_model(config, seed=seed, mesh=mesh, rules=rules)
+  build = lambda: _model_class(config)(config, rngs=nnx.Rngs(seed))
+  return build() if mesh is None else init_sharded(build, mesh, rules)
 
 
 __all__ = [

@@ -13,16 +13,12 @@ the output projection, which is the largest matmul of a small model.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from stabledrl_jax.models import layers
-from stabledrl_jax.models import sharding as sharding_lib
 from stabledrl_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -128,24 +124,3 @@ class LLaDA(nnx.Module):
   def __call__(self, tokens: Array, attention_mask: Array | None = None) -> Array:
     """tokens: [B, L] int -> logits [B, L, embedding_size] (see `encode` for the mask)."""
     return self.unembed(self.encode(tokens, attention_mask))
-
-
-def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
-               rules: sharding_lib.LogicalRules = sharding_lib.LOGICAL_AXIS_RULES) -> LLaDA:
-  """A freshly initialized LLaDA; with a mesh, each parameter is created directly in its shards."""
-  if mesh is None:
-    return LLaDA(config, rngs=nnx.Rngs(seed))
-  return sharding_lib.init_sharded(lambda: LLaDA(config, rngs=nnx.Rngs(seed)), mesh, rules)
-
-
-@functools.lru_cache(maxsize=32)
-def count_params(config: ModelConfig) -> int:
-  """Number of parameters of `LLaDA(config)`, counted from the module's abstract shapes."""
-  abstract = nnx.eval_shape(lambda: LLaDA(config, rngs=nnx.Rngs(0)))
-  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
-  return int(sum(np.prod(leaf.shape) for leaf in leaves))
-
-
-def param_bytes(config: ModelConfig, dtype=jnp.bfloat16) -> int:
-  """Bytes taken by the parameters of `LLaDA(config)` stored in `dtype`."""
-  return count_params(config) * jnp.dtype(dtype).itemsize

@@ -34,7 +34,6 @@ names from `sharding.py`, as in LLaDA.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -42,11 +41,9 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from stabledrl_jax.models import layers
-from stabledrl_jax.models import sharding as sharding_lib
 from stabledrl_jax.models import staircase as staircase_lib
 from stabledrl_jax.models.sdar_config import SDARConfig
 
@@ -390,19 +387,3 @@ class SDAR(nnx.Module):
                      for i, (_, v) in enumerate(kvs))
       cache = cache.replace(keys=keys, values=values, length=start + m)
     return self.norm(x), cache
-
-
-def init_model(config: SDARConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
-               rules: sharding_lib.LogicalRules = sharding_lib.LOGICAL_AXIS_RULES) -> SDAR:
-  """A freshly initialized SDAR; with a mesh, each parameter is created directly in its shards."""
-  if mesh is None:
-    return SDAR(config, rngs=nnx.Rngs(seed))
-  return sharding_lib.init_sharded(lambda: SDAR(config, rngs=nnx.Rngs(seed)), mesh, rules)
-
-
-@functools.lru_cache(maxsize=32)
-def count_params(config: SDARConfig) -> int:
-  """Number of parameters of `SDAR(config)`, counted from the module's abstract shapes."""
-  abstract = nnx.eval_shape(lambda: SDAR(config, rngs=nnx.Rngs(0)))
-  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
-  return int(sum(np.prod(leaf.shape) for leaf in leaves))
