@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.sampling import num_transfer_tokens
+from stabledrl_jax.sampling import check_prompts, num_transfer_tokens
 
 Array = jax.Array
 
@@ -213,21 +213,13 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     tokens [B, P + G]: the prompt untouched, then the completion. With return_reveal_step, also
     reveal_step [B, G] int32.
   """
-  prompt_tokens = jnp.asarray(prompt_tokens)
-  if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-    raise ValueError(f"prompt_tokens must be [B, P] integers, got {prompt_tokens.shape} "
-                     f"{prompt_tokens.dtype}")
+  prompt_tokens, prompt_mask = check_prompts(prompt_tokens, prompt_mask)
   if gen_length <= 0 or steps <= 0:
     raise ValueError("gen_length and steps must be positive")
   if remasking not in REMASKING:
     raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
   if temperature < 0:
     raise ValueError("temperature must be >= 0")
-  if prompt_mask is not None:
-    prompt_mask = jnp.asarray(prompt_mask, bool)
-    if prompt_mask.shape != prompt_tokens.shape:
-      raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompt shape "
-                       f"{prompt_tokens.shape}")
   stop_ids = tuple(int(t) for t in (eos_token_ids if eos_token_ids is not None
                                     else (model.config.eos_token_id,)))
   if not stop_ids:

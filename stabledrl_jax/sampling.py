@@ -173,6 +173,20 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
   return tokens, reveal_step
 
 
+def check_prompts(prompt_tokens: Array, prompt_mask: Array | None) -> tuple[Array, Array | None]:
+  """Validates [B, P] integer prompts and their optional [B, P] mask; returns them as arrays."""
+  prompt_tokens = jnp.asarray(prompt_tokens)
+  if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+    raise ValueError(f"prompt_tokens must be [B, P] integers, got {prompt_tokens.shape} "
+                     f"{prompt_tokens.dtype}")
+  if prompt_mask is not None:
+    prompt_mask = jnp.asarray(prompt_mask, bool)
+    if prompt_mask.shape != prompt_tokens.shape:
+      raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompt shape "
+                       f"{prompt_tokens.shape}")
+  return prompt_tokens, prompt_mask
+
+
 def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length: int, steps: int,
              block_length: int, temperature: float = 0.0, remasking: str = "low_confidence",
              cfg_scale: float = 0.0, prompt_mask: Array | None = None, stop_at_eos: bool = False,
@@ -203,10 +217,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     stop_at_eos filled it with EOS). With return_reveal_step, also reveal_step [B, G] int32
     (-1 for positions never decoded because of stop_at_eos).
   """
-  prompt_tokens = jnp.asarray(prompt_tokens)
-  if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-    raise ValueError(f"prompt_tokens must be [B, P] integers, got {prompt_tokens.shape} "
-                     f"{prompt_tokens.dtype}")
+  prompt_tokens, prompt_mask = check_prompts(prompt_tokens, prompt_mask)
   if gen_length <= 0 or block_length <= 0 or steps <= 0:
     raise ValueError("gen_length, block_length and steps must be positive")
   if gen_length % block_length:
@@ -219,11 +230,6 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
   if temperature < 0 or cfg_scale < 0:
     raise ValueError("temperature and cfg_scale must be >= 0")
-  if prompt_mask is not None:
-    prompt_mask = jnp.asarray(prompt_mask, bool)
-    if prompt_mask.shape != prompt_tokens.shape:
-      raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompt shape "
-                       f"{prompt_tokens.shape}")
   graphdef, state = nnx.split(model)
   tokens, reveal_step = _generate(
       graphdef, state, prompt_tokens.astype(jnp.int32), prompt_mask, key,

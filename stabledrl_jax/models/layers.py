@@ -112,6 +112,20 @@ def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
   return out.astype(x.dtype)
 
 
+def query_span(x: Array, cos: Array, sin: Array,
+               span: tuple[Array | int, int] | None) -> tuple[Array, Array, Array]:
+  """The queries' inputs and rotary angles: all positions, or the n of span = (start, n).
+
+  x: [B, L, D], cos / sin: [L, hd] -> [B, n, D], [n, hd], [n, hd].
+  """
+  if span is None:
+    return x, cos, sin
+  start, length = span
+  return (jax.lax.dynamic_slice_in_dim(x, start, length, axis=1),
+          jax.lax.dynamic_slice_in_dim(cos, start, length, axis=0),
+          jax.lax.dynamic_slice_in_dim(sin, start, length, axis=0))
+
+
 class MLP(nnx.Module):
   """SwiGLU: ff_out(silu(ff_proj(x)) * up_proj(x))."""
 
@@ -154,14 +168,10 @@ class Attention(nnx.Module):
     With span = (start, n), only the queries at positions start..start+n-1 are computed (keys and
     values still cover every position) and the output is [B, n, D].
     """
-    b, length, _ = x.shape
+    b = x.shape[0]
     groups = self.n_heads // self.n_kv_heads
-    xq, cos_q, sin_q = x, cos, sin
-    if span is not None:
-      start, length = span
-      xq = jax.lax.dynamic_slice_in_dim(x, start, length, axis=1)
-      cos_q = jax.lax.dynamic_slice_in_dim(cos, start, length, axis=0)
-      sin_q = jax.lax.dynamic_slice_in_dim(sin, start, length, axis=0)
+    xq, cos_q, sin_q = query_span(x, cos, sin, span)
+    length = xq.shape[1]
     q = apply_rotary(self.q_proj(xq).reshape(b, length, self.n_heads, self.head_dim), cos_q, sin_q)
     q = q.reshape(b, length, self.n_kv_heads, groups, self.head_dim)
     k = self.k_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)

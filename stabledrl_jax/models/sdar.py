@@ -146,12 +146,7 @@ class Attention(nnx.Module):
     """
     b, length, _ = x.shape
     groups = self.n_heads // self.n_kv_heads
-    xq, cos_q, sin_q = x, cos, sin
-    if span is not None:
-      start, q_len = span
-      xq = jax.lax.dynamic_slice_in_dim(x, start, q_len, axis=1)
-      cos_q = jax.lax.dynamic_slice_in_dim(cos, start, q_len, axis=0)
-      sin_q = jax.lax.dynamic_slice_in_dim(sin, start, q_len, axis=0)
+    xq, cos_q, sin_q = layers.query_span(x, cos, sin, span)
     q_len = xq.shape[1]
     q = self.q_norm(self.q_proj(xq).reshape(b, q_len, self.n_heads, self.head_dim))
     q = layers.apply_rotary(q, cos_q, sin_q).reshape(b, q_len, self.n_kv_heads, groups,
