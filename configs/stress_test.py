@@ -8,20 +8,13 @@ cores. ``experiments/stress_test.py`` sets ``objective.name`` (and the GRPO leve
 and ``estimator.stress.fraction`` per run.
 """
 
-import importlib.util
 import pathlib
 
-
-def _quickstart():
-  path = pathlib.Path(__file__).with_name("quickstart.py")
-  spec = importlib.util.spec_from_file_location("quickstart", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from stabledrl_jax.training import config_lib
 
 
 def get_config():
-  c = _quickstart()
+  c = config_lib.from_file(pathlib.Path(__file__).with_name("quickstart.py"))
   c.rollout.update(num_prompts=8, group_size=8, steps=20)
   c.train.update(num_steps=10, num_iterations=2)
   c.optimizer.update(grad_clip=1.0)

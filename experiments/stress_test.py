@@ -2,107 +2,103 @@ r"""Stress test (SPEC section 5): does each objective survive exploding importan
 
   python experiments/stress_test.py --config configs/stress_test.py --workdir runs/stress_test
 
-Fits the supervised start once (``<workdir>/sft``), then trains every objective
-from it with the same seed and data, once normally and once with
-``estimator.stress.fraction`` of the samples given "easy" numerator and "hard"
-denominator masks. Writes ``<workdir>/summary.json``:
+Fits the supervised start once (``<workdir>/sft``), then trains every objective from it with the
+same seed and data, once normally and once with ``--fraction`` of the samples given "easy"
+numerator and "hard" denominator masks (``estimator.stress``). Any config field can be
+overridden as usual (``--config.model.family=sdar``, ``--config.train.num_steps=20``).
+
+Writes ``<workdir>/summary.json``:
 
   {"<objective>/<condition>": {"grad_norm_mean", "grad_norm_max", "explosion_rate",
-                               "final_reward", "max_log10_ratio"}}
+                               "final_reward", "max_log10_ratio", ...}}
 
-condition ``normal`` or ``stress``. ``grad_norm`` is the pre-clip global norm of
-each step (the mean over its inner iterations; a non-finite one counts as exploded); ``explosion_rate`` is the
-fraction of steps whose norm exceeds ``--explosion_factor`` times the largest
-norm of any normal run (one threshold for all, printed); ``final_reward`` is the
-mean rollout reward of the last ``--final_steps`` steps; ``max_log10_ratio`` is
-the largest log10 rho over the run (None for objectives without a ratio). A run
-stopped by ``train.max_consecutive_skips`` keeps the steps it logged. Also
-writes ``<workdir>/stress_test.png`` and prints the table.
+with condition ``normal`` or ``stress``:
+
+- ``grad_norm``: the pre-clip global gradient norm of each step (the mean over its inner
+  iterations; a non-finite norm counts as exploded and is left out of mean and max);
+- ``explosion_rate``: the fraction of steps whose norm exceeds the objective's own threshold,
+  ``--explosion_factor`` x the median norm of its normal run (``explosion_threshold``);
+- ``final_reward``: the mean rollout reward of the last ``--final_steps`` steps;
+- ``max_log10_ratio``: the largest log10 rho the objective saw (None without a ratio; StableDRL's
+  is its length-normalized ratio, as the paper defines it);
+- for StableDRL, ``bound_ratio_max``: the largest ||grad|| / (max_j |A_j| ||grad s_j||) over all
+  updates, which its convex-hull property keeps <= 1, and ``ess_min``, the smallest per-group
+  effective sample size of its weights.
+
+Also draws ``<workdir>/stress_test.png`` (gradient norm and reward against step) and prints the
+table in Markdown.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import math
 import os
-import shutil
+import statistics
 import time
 
-import matplotlib
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-matplotlib.use("Agg")  # Files only: no display needed.
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/stress_test.py",
+                                          "Path to a get_config() file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
+_FRACTION = flags.DEFINE_float("fraction", 0.7, "Stressed fraction f of the samples.")
+_EXPLOSION_FACTOR = flags.DEFINE_float(
+    "explosion_factor", 10.0, "An objective's explosion threshold is this x the median "
+    "gradient norm of its own normal run.")
+_FINAL_STEPS = flags.DEFINE_integer("final_steps", 3,
+                                    "final_reward averages the last this many steps.")
+_OBJECTIVES = flags.DEFINE_list("objectives", None,
+                                "Objectives to run (default: all of sweep.OBJECTIVE_VARIANTS).")
 
-from stabledrl_jax.training import metrics_writer, trainer  # pylint: disable=g-import-not-at-top
-
-# (summary name, objective.name, config overrides as dotted paths). Every run keeps the
-# config's estimator, except token-level GRPO (d1), which needs per-token mean-field scores.
-OBJECTIVES = (
-    ("grpo_token", "grpo", {"objective.grpo.level": "token",
-                            "estimator.method": "mean_field"}),
-    ("grpo_sequence", "grpo", {"objective.grpo.level": "sequence"}),
-    ("espo", "espo", {}),
-    ("spg", "spg", {}),
-    ("wd1", "wd1", {}),
-    ("stabledrl", "stabledrl", {}),
-)
+CONDITIONS = ("normal", "stress")
 
 
-def load_config(path: str):
-  spec = importlib.util.spec_from_file_location("stress_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
-def run_config(base, objective: str, overrides: dict, fraction: float):
-  config = base.copy_and_resolve_references()
-  config.objective.name = objective
-  for field, value in overrides.items():
-    *path, name = field.split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    node[name] = value
-  config.estimator.stress.fraction = fraction
-  return config
-
-
-def value(record: dict, name: str) -> float:
-  """A metric as a float: metrics.jsonl stores inf / nan as strings."""
-  return float(record[name])
-
-
-def summarize(history, threshold: float, final_steps: int) -> dict:
-  norms = [value(h, "grad_norm") for h in history]
+def summarize(result, threshold: float, final_steps: int) -> dict:
+  """The summary.json entry of one run (see the module docstring)."""
+  from stabledrl_jax.training.sweep import metric  # pylint: disable=g-import-not-at-top
+  steps = [h for h in result.history if "grad_norm" in h]
+  norms = [metric(h, "grad_norm") for h in steps]
   finite = [n for n in norms if math.isfinite(n)]
-  exploded = [not math.isfinite(n) or n > threshold for n in norms]
-  ratios = [value(h, "log10_ratio/max") for h in history if "log10_ratio/max" in h]
-  rewards = [value(h, "reward/mean") for h in history[-final_steps:]]
-  return {
-      "grad_norm_mean": sum(finite) / len(finite) if finite else float("nan"),
+  ratios = [metric(h, "log10_ratio/max") for h in steps if "log10_ratio/max" in h]
+  rewards = [metric(h, "reward/mean") for h in steps[-final_steps:]]
+  summary = {
+      "grad_norm_mean": statistics.fmean(finite) if finite else float("nan"),
       "grad_norm_max": max(finite) if finite else float("nan"),
-      "explosion_rate": sum(exploded) / len(norms),
-      "final_reward": sum(rewards) / len(rewards),
+      "explosion_rate": sum(not math.isfinite(n) or n > threshold for n in norms) / len(norms),
+      "explosion_threshold": threshold,
+      "final_reward": statistics.fmean(rewards),
       "max_log10_ratio": max(ratios) if ratios else None,
-      "nonfinite_steps": sum(not math.isfinite(n) for n in norms),
+      "nonfinite_steps": len(norms) - len(finite),
+      "steps": len(steps),
+      "wall_s": result.wall_s,
+      "stopped": result.stopped,
   }
+  if any("grad_norm_over_bound/max" in h for h in steps):
+    summary["bound_ratio_max"] = max(metric(h, "grad_norm_over_bound/max") for h in steps)
+  if any("snis/ess_min" in h for h in steps):
+    summary["ess_min"] = min(metric(h, "snis/ess_min") for h in steps)
+  return summary
 
 
-def plot(histories: dict, path: str) -> None:
-  fig, axes = plt.subplots(2, len(OBJECTIVES), figsize=(3.2 * len(OBJECTIVES), 5.6),
-                           sharex=True)
-  for col, (name, _, _) in enumerate(OBJECTIVES):
-    for condition, style in (("normal", "-"), ("stress", "--")):
-      history = histories.get(f"{name}/{condition}")
-      if not history:
+def plot(results: dict, names: list[str], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # Files only: no display needed.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.sweep import metric  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.4), sharex=True,
+                           squeeze=False)
+  for col, name in enumerate(names):
+    for condition, style in zip(CONDITIONS, ("-", "--")):
+      result = results.get(f"{name}/{condition}")
+      if result is None:
         continue
-      steps = [h["step"] for h in history]
-      axes[0, col].plot(steps, [value(h, "grad_norm") for h in history], style, label=condition)
-      axes[1, col].plot(steps, [value(h, "reward/mean") for h in history], style,
-                        label=condition)
+      steps = [h for h in result.history if "grad_norm" in h]
+      x = [h["step"] for h in steps]
+      axes[0, col].plot(x, [metric(h, "grad_norm") for h in steps], style, label=condition)
+      axes[1, col].plot(x, [metric(h, "reward/mean") for h in steps], style, label=condition)
     axes[0, col].set_title(name, fontsize=10)
     axes[0, col].set_yscale("log")
     axes[1, col].set_xlabel("RL step")
@@ -113,69 +109,67 @@ def plot(histories: dict, path: str) -> None:
   axes[0, 0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default="configs/stress_test.py")
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--fraction", type=float, default=0.7, help="stressed fraction f")
-  parser.add_argument("--explosion_factor", type=float, default=3.0,
-                      help="threshold = this x the largest grad norm of all normal runs")
-  parser.add_argument("--final_steps", type=int, default=3,
-                      help="final_reward averages the last this many steps")
-  parser.add_argument("--objectives", default=",".join(o[0] for o in OBJECTIVES))
-  args = parser.parse_args()
-  base = load_config(args.config)
-  wanted = args.objectives.split(",")
-  start = time.perf_counter()
-
-  sft_dir = os.path.join(args.workdir, "sft")
-  if not os.path.exists(os.path.join(sft_dir, trainer.SFT_DIR, "config.json")):
-    sft_config = base.copy_and_resolve_references()
-    sft_config.train.num_steps = 0
-    trainer.train(sft_config, sft_dir)
-  print(f"supervised start: {time.perf_counter() - start:.0f} s")
-
-  histories = {}
-  for name, objective, overrides in OBJECTIVES:
-    if name not in wanted:
-      continue
-    for condition, fraction in (("normal", 0.0), ("stress", args.fraction)):
-      run_dir = os.path.join(args.workdir, name, condition)
-      shutil.rmtree(run_dir, ignore_errors=True)
-      os.makedirs(run_dir)
-      shutil.copytree(os.path.join(sft_dir, trainer.SFT_DIR),
-                      os.path.join(run_dir, trainer.SFT_DIR))
-      run_start = time.perf_counter()
-      try:
-        trainer.train(run_config(base, objective, overrides, fraction), run_dir)
-        note = ""
-      except trainer.TooManySkipsError:
-        note = " (stopped: too many non-finite updates in a row)"
-      histories[f"{name}/{condition}"] = metrics_writer.read_metrics(
-          os.path.join(run_dir, "metrics.jsonl"))
-      print(f"{name}/{condition}: {time.perf_counter() - run_start:.0f} s{note}", flush=True)
-
-  normal_max = max(value(h, "grad_norm") for key, run in histories.items()
-                   if key.endswith("/normal") for h in run if math.isfinite(value(h, "grad_norm")))
-  threshold = args.explosion_factor * normal_max
-  summary = {key: summarize(run, threshold, args.final_steps) for key, run in histories.items()}
-  with open(os.path.join(args.workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  plot(histories, os.path.join(args.workdir, "stress_test.png"))
-
-  print(f"\nexplosion threshold: {threshold:.4g} = {args.explosion_factor} x {normal_max:.4g} "
-        f"(largest normal grad norm)")
-  print(f"| run | grad norm mean | grad norm max | explosion rate | final reward | "
-        f"max log10 rho |\n|---|---|---|---|---|---|")
+def markdown_table(summary: dict) -> str:
+  lines = ["| run | grad norm mean | grad norm max | explosion rate | final reward | "
+           "max log10 rho | bound ratio max |", "|---|---|---|---|---|---|---|"]
   for key, s in summary.items():
     ratio = "-" if s["max_log10_ratio"] is None else f"{s['max_log10_ratio']:.2f}"
-    print(f"| {key} | {s['grad_norm_mean']:.4g} | {s['grad_norm_max']:.4g} | "
-          f"{s['explosion_rate']:.2f} | {s['final_reward']:.3f} | {ratio} |")
-  print(f"\nwall time: {time.perf_counter() - start:.0f} s; wrote "
-        f"{args.workdir}/summary.json and stress_test.png")
+    bound = f"{s['bound_ratio_max']:.3f}" if "bound_ratio_max" in s else "-"
+    lines.append(f"| {key} | {s['grad_norm_mean']:.4g} | {s['grad_norm_max']:.4g} | "
+                 f"{s['explosion_rate']:.2f} | {s['final_reward']:.3f} | {ratio} | {bound} |")
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+
+  base, workdir = _CONFIG.value, _WORKDIR.value
+  names = _OBJECTIVES.value or list(sweep.OBJECTIVE_VARIANTS)
+  unknown = sorted(set(names) - set(sweep.OBJECTIVE_VARIANTS))
+  if unknown:
+    raise app.UsageError(f"--objectives: unknown {unknown}; known: "
+                         f"{list(sweep.OBJECTIVE_VARIANTS)}")
+  if not 0 < _FRACTION.value <= 1:
+    raise app.UsageError(f"--fraction must lie in (0, 1], got {_FRACTION.value}")
+  began = time.perf_counter()
+  start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
+  print(f"supervised start: {time.perf_counter() - began:.0f} s", flush=True)
+
+  results = {}
+  for name in names:
+    for condition in CONDITIONS:
+      overrides = dict(sweep.OBJECTIVE_VARIANTS[name])
+      overrides["estimator.stress.fraction"] = _FRACTION.value if condition == "stress" else 0.0
+      if name == "stabledrl":
+        overrides["train.gradient_bound"] = True
+      config = sweep.with_overrides(base, overrides)
+      result = sweep.train_from_start(config, start, os.path.join(workdir, name, condition))
+      results[f"{name}/{condition}"] = result
+      print(f"{name}/{condition}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+
+  summary = {}
+  for name in names:
+    normal = [sweep.metric(h, "grad_norm") for h in results[f"{name}/normal"].history
+              if "grad_norm" in h]
+    finite = [n for n in normal if math.isfinite(n)]
+    threshold = _EXPLOSION_FACTOR.value * (statistics.median(finite) if finite else 0.0)
+    for condition in CONDITIONS:
+      key = f"{name}/{condition}"
+      summary[key] = summarize(results[key], threshold, _FINAL_STEPS.value)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  plot(results, names, os.path.join(workdir, "stress_test.png"))
+  print("\n" + markdown_table(summary))
+  print(f"\nexplosion threshold: {_EXPLOSION_FACTOR.value} x the median grad norm of the "
+        f"objective's normal run; wall time {time.perf_counter() - began:.0f} s; wrote "
+        f"{workdir}/summary.json and stress_test.png")
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

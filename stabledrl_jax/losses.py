@@ -559,7 +559,11 @@ def objective_names() -> list[str]:
   return sorted(_OBJECTIVES)
 
 
-def _surrogate(inputs: ObjectiveInputs, surrogate: str, omega: float) -> Array:
+def surrogate_logp(inputs: ObjectiveInputs, surrogate: str, omega: float = 0.5) -> Array:
+  """[N] s_j, the surrogate log-likelihood that carries StableDRL's and SPG's gradient.
+
+  ``'elbo'``: the estimate itself; ``'sandwich'``: SPG's ELBO / EUBO_beta mix.
+  """
   if surrogate == "elbo":
     return inputs.logp
   if surrogate == "sandwich":
@@ -593,7 +597,7 @@ def _espo(inputs: ObjectiveInputs, *, group_size: int, gen_length: int,
 def _spg(inputs: ObjectiveInputs, *, group_size: int, surrogate: str = "sandwich",
          omega: float = 0.5) -> tuple[Array, Metrics]:
   del group_size
-  return spg_loss(_surrogate(inputs, surrogate, omega), inputs.advantages,
+  return spg_loss(surrogate_logp(inputs, surrogate, omega), inputs.advantages,
                   inputs.lengths, sample_mask=inputs.mask)
 
 
@@ -609,7 +613,7 @@ def _stabledrl(inputs: ObjectiveInputs, *, group_size: int,
                normalize_over: str = "group", surrogate: str = "elbo",
                omega: float = 0.5) -> tuple[Array, Metrics]:
   log_ratio = inputs.logp - inputs.old_logp
-  return stabledrl_loss(_surrogate(inputs, surrogate, omega), log_ratio,
+  return stabledrl_loss(surrogate_logp(inputs, surrogate, omega), log_ratio,
                         inputs.advantages, group_size, min_ratio=min_ratio,
                         max_ratio=max_ratio, normalize_over=normalize_over,
                         sample_mask=inputs.mask)

@@ -1,7 +1,6 @@
 """The trainer: config validation, every objective, skip-on-NaN, kill-and-resume, 8 devices."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -18,18 +17,15 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models
+from stabledrl_jax import losses, models
 from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, rl_loss
-from stabledrl_jax.training import train_step, trainer
+from stabledrl_jax.training import sweep, train_step, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config(name="quickstart"):
-  spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_lib.from_file(REPO / "configs" / f"{name}.py")
 
 
 def tiny_config(**updates):
@@ -42,13 +38,7 @@ def tiny_config(**updates):
   c.train.update(num_steps=2, num_iterations=2)
   c.eval.update(every_steps=0)
   c.checkpoint.update(every_steps=1)
-  for key, value in updates.items():
-    node = c
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
-  return c
+  return sweep.with_overrides(c, updates)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +76,7 @@ def workdir_with_start(path, sft_start):
     ("estimator.stress.easy_rate", 0.0, "estimator.stress.easy_rate"),
     ("estimator.stress.hard_rate", 1.2, "estimator.stress.hard_rate"),
     ("estimator.stress.easy_rate", 0.9, "estimator.stress.easy_rate"),  # > hard_rate 0.8
+    ("train.gradient_bound", True, "train.gradient_bound"),  # objective is wd1 below
 ])
 def test_bad_config_values_name_the_field(field, value, match):
   config = tiny_config(**{field: value})
@@ -93,6 +84,8 @@ def test_bad_config_values_name_the_field(field, value, match):
     config.estimator.stress.hard_rate = 0.8
   if field == "objective.grpo.level":
     config.objective.name = "grpo"
+  if field == "train.gradient_bound":
+    config.objective.name = "wd1"
   with pytest.raises(ValueError, match=match.replace(".", r"\.")):
     config_lib.validate(config, num_devices=1)
 
@@ -186,6 +179,64 @@ def test_coupled_ratio_is_exactly_one_before_any_update():
   other = train_step.estimate_no_grad(params, batch, jax.random.key(4), graphdef=graphdef,
                                       spec=spec, group_size=2, num_microbatches=2)
   assert float(jnp.max(jnp.abs(other - old))) > 1e-3  # independent masks: estimator noise
+
+
+def _toy_model_and_batch(n=8, length=10, seed=1):
+  config = models.get_config("tiny", n_layers=1, vocab_size=16, mask_token_id=15,
+                             eos_token_id=14)
+  graphdef, params = nnx.split(models.LLaDA(config, rngs=nnx.Rngs(0)), nnx.Param)
+  keys = jax.random.split(jax.random.key(seed), 3)
+  prompt = jnp.zeros((n, length), bool).at[:, :4].set(True)
+  batch = rl_loss.RolloutBatch(
+      tokens=jax.random.randint(keys[0], (n, length), 0, 14), prompt_mask=prompt,
+      completion_mask=~prompt, attention_mask=jnp.ones((n, length), bool),
+      advantages=jax.random.normal(keys[1], (n,)),
+      old_logp=1e4 * jax.random.normal(keys[2], (n,)),  # Wildly wrong ratios.
+      ref_logp=jnp.zeros(n), stressed=jnp.arange(n) % 2 == 0)
+  return graphdef, params, batch
+
+
+@pytest.mark.parametrize("surrogate", ["elbo", "sandwich"])
+def test_gradient_bound_matches_per_sample_gradients(surrogate):
+  """max_j |A_j| ||grad s_j|| from the vmapped rows == a loop over full-batch gradients."""
+  graphdef, params, batch = _toy_model_and_batch()
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
+                                token_level=False, mask_id=15, stress_rates=(0.2, 1.0),
+                                eubo_beta=1.5 if surrogate == "sandwich" else None)
+  logits_fn_of = lambda p, m: rl_loss.model_logits_fn(nnx.merge(graphdef, p), m)
+  key = jax.random.key(5)
+  bound = rl_loss.surrogate_gradient_bound(logits_fn_of, params, batch, key, spec=spec,
+                                           surrogate=surrogate, omega=0.5)
+  masks = rl_loss.estimator_masks(batch, key, spec, stress_mode="easy")
+
+  def s(p, j):  # The whole batch scored at once; row j's surrogate.
+    logp, eubo = rl_loss.estimate(logits_fn_of(p, batch.attention_mask), batch, None, spec,
+                                  masks=masks)
+    inputs = rl_loss.objective_inputs(batch, logp, eubo, spec, use_reference=False)
+    return losses.surrogate_logp(inputs, surrogate, 0.5)[j]
+
+  norms = [float(optax.tree.norm(jax.grad(s)(params, j))) for j in range(len(batch.tokens))]
+  expected = max(abs(float(a)) * g for a, g in zip(batch.advantages, norms))
+  np.testing.assert_allclose(float(bound), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_stabledrl_gradient_stays_inside_its_convex_hull_bound(num_microbatches):
+  """SPEC section 3: ||grad|| <= max_j |A_j| ||grad s_j||, even with log rho of +-1e4."""
+  graphdef, params, batch = _toy_model_and_batch()
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
+                                token_level=False, eubo_beta=None, mask_id=15,
+                                stress_rates=(0.2, 1.0))
+  tx = optax.sgd(1e-3)
+  _, metrics = train_step.update_step(
+      train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
+      graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
+      hparams=(("omega", 0.5), ("surrogate", "elbo")), group_size=2,
+      num_microbatches=num_microbatches, use_reference=False, gradient_bound=True)
+  assert float(metrics["grad_norm"]) > 0
+  assert float(metrics["grad_norm"]) <= float(metrics["grad_bound/max"]) * (1 + 1e-5)
+  np.testing.assert_allclose(metrics["grad_norm_over_bound/max"],
+                             metrics["grad_norm"] / metrics["grad_bound/max"], rtol=1e-6)
 
 
 def test_microbatches_keep_groups_whole():

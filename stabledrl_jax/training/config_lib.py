@@ -8,6 +8,9 @@ offending field.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import pathlib
 from typing import Any
 
 import ml_collections
@@ -80,7 +83,10 @@ def base_config() -> ml_collections.ConfigDict:
       b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip=0.2))
   c.train = ml_collections.ConfigDict(dict(
       num_steps=2000, num_iterations=2, microbatch_groups=0,  # 0: the whole batch at once
-      max_consecutive_skips=10, reference_model=False))
+      max_consecutive_skips=10, reference_model=False,
+      # Log StableDRL's convex-hull bound max_j |A_j| ||grad s_j|| per update (per-sample
+      # gradients: memory grows as batch x parameters, so for small models).
+      gradient_bound=False))
   c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0))  # 0: gen/2
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, max_to_keep=3))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -88,6 +94,16 @@ def base_config() -> ml_collections.ConfigDict:
       num_steps=0, batch_size=64, learning_rate=1e-3,
       demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
   return c
+
+
+def from_file(path: str | os.PathLike[str]) -> ml_collections.ConfigDict:
+  """``get_config()`` of a config file (e.g. to build one config file on another)."""
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  if spec is None or not os.path.isfile(path):
+    raise FileNotFoundError(f"no config file at {str(path)!r}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
@@ -193,6 +209,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
   _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
   _require(t.microbatch_groups >= 0, "train.microbatch_groups", "must be >= 0")
+  _require(not t.gradient_bound or name == "stabledrl", "train.gradient_bound",
+           f"the convex-hull bound is StableDRL's; objective.name is {name!r}")
   if t.microbatch_groups:
     _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
              f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")

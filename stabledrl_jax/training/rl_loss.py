@@ -80,19 +80,15 @@ def model_logits_fn(model: Callable[..., Array],
   return logits_fn
 
 
-def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array,
-             spec: LikelihoodSpec, stress_mode: str | None = None) -> tuple[Array, Array | None]:
-  """Likelihood estimates of the batch's completions.
+def estimator_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
+                    stress_mode: str | None = None) -> estimators.MaskSample:
+  """The masks of one estimate: fresh ones from ``key``, or stress-test ones.
 
   Args:
     stress_mode: 'easy' (the numerator l_theta) or 'hard' (the denominator
       l_old): with ``spec.stress_rates`` set, the ``batch.stressed`` samples
       get the stress test's biased masks of that mode instead of fresh ones.
       None: fresh masks for every sample.
-
-  Returns:
-    logp: [N] per-sequence estimates, or [N, L] per-token log-probs at token level.
-    eubo: [N] EUBO_beta estimates, or None.
   """
   masks = estimators.sample_masks(key, batch.prompt_mask, batch.completion_mask,
                                   method=spec.method, num_samples=spec.num_samples,
@@ -102,6 +98,25 @@ def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Arra
     stress = estimators.stress_masks(batch.prompt_mask, batch.completion_mask,
                                      mode=stress_mode, rate=rate, num_samples=masks.num_rows)
     masks = estimators.select_masks(batch.stressed, stress, masks)
+  return masks
+
+
+def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array | None,
+             spec: LikelihoodSpec, stress_mode: str | None = None,
+             masks: estimators.MaskSample | None = None) -> tuple[Array, Array | None]:
+  """Likelihood estimates of the batch's completions.
+
+  Args:
+    key: draws the masks (see ``estimator_masks``); unused when ``masks`` is given.
+    stress_mode: see ``estimator_masks``.
+    masks: score these masks instead.
+
+  Returns:
+    logp: [N] per-sequence estimates, or [N, L] per-token log-probs at token level.
+    eubo: [N] EUBO_beta estimates, or None.
+  """
+  if masks is None:
+    masks = estimator_masks(batch, key, spec, stress_mode)
   details = estimators.estimate_logp(
       logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
       method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize, masks=masks,
@@ -126,10 +141,52 @@ def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key
   In a stress test the numerator l_theta of the stressed samples uses "easy" masks.
   """
   logp, eubo = estimate(logits_fn, batch, key, spec, stress_mode="easy")
-  mask = batch.completion_mask if spec.token_level else None
-  inputs = losses.ObjectiveInputs(
-      logp=logp, advantages=batch.advantages, old_logp=batch.old_logp, mask=mask,
-      ref_logp=batch.ref_logp if use_reference else None, eubo=eubo,
-      lengths=jnp.sum(batch.completion_mask, axis=-1).astype(jnp.float32))
+  inputs = objective_inputs(batch, logp, eubo, spec, use_reference)
   loss, metrics = losses.get_objective(objective)(inputs, group_size=group_size, **dict(hparams))
   return loss, metrics
+
+
+def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec: LikelihoodSpec,
+                     use_reference: bool) -> losses.ObjectiveInputs:
+  """What an objective sees of a batch, given its fresh estimates under pi_theta."""
+  return losses.ObjectiveInputs(
+      logp=logp, advantages=batch.advantages, old_logp=batch.old_logp,
+      mask=batch.completion_mask if spec.token_level else None,
+      ref_logp=batch.ref_logp if use_reference else None, eubo=eubo,
+      lengths=jnp.sum(batch.completion_mask, axis=-1).astype(jnp.float32))
+
+
+def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
+                             params: Any, batch: RolloutBatch, key: Array, *,
+                             spec: LikelihoodSpec, surrogate: str, omega: float) -> Array:
+  """max_j |A_j| * ||grad_theta s_j||: the bound on StableDRL's gradient norm (SPEC section 3).
+
+  StableDRL's gradient is a convex combination (per group) of A_j grad s_j, so its norm never
+  exceeds this. s_j is scored on the masks that ``objective_loss`` draws from the same ``key``
+  (stress masks included), one per-sample gradient each (vmapped over the N rows), so memory
+  grows as N x parameters: a diagnostic for small models.
+
+  Args:
+    logits_fn_of: (params, attention_mask [B, L]) -> logits_fn, as ``model_logits_fn``.
+    params: the parameters the gradients are taken with respect to.
+    batch: N rollouts; ``key`` and ``spec`` as in ``objective_loss``.
+    surrogate, omega: StableDRL's surrogate settings (``losses.surrogate_logp``).
+
+  Returns:
+    [] float32.
+  """
+  masks = estimator_masks(batch, key, spec, stress_mode="easy")
+
+  def sample_surrogate(p, row, row_masks):
+    row = jax.tree.map(lambda x: x[None], row)  # A batch of one sequence.
+    row_masks = jax.tree.map(lambda x: x[:, None], row_masks)
+    logp, eubo = estimate(logits_fn_of(p, row.attention_mask), row, None, spec,
+                          masks=row_masks)
+    inputs = objective_inputs(row, logp, eubo, spec, use_reference=False)
+    return losses.surrogate_logp(inputs, surrogate, omega)[0]
+
+  grads = jax.vmap(jax.grad(sample_surrogate), in_axes=(None, 0, 1))(params, batch, masks)
+  squares = [jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+             for g in jax.tree.leaves(grads)]
+  norms = jnp.sqrt(sum(squares))
+  return jnp.max(jnp.abs(batch.advantages) * norms)

@@ -88,8 +88,13 @@ def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
 def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
                 tx: optax.GradientTransformation, spec: rl_loss.LikelihoodSpec, objective: str,
                 hparams: tuple[tuple[str, Any], ...], group_size: int, num_microbatches: int,
-                use_reference: bool) -> tuple[TrainState, dict[str, Array]]:
-  """One optimizer update on a rollout batch with fresh estimator masks from ``key``."""
+                use_reference: bool, gradient_bound: bool = False
+                ) -> tuple[TrainState, dict[str, Array]]:
+  """One optimizer update on a rollout batch with fresh estimator masks from ``key``.
+
+  ``gradient_bound`` (StableDRL only) also logs ``grad_bound/max``, max_j |A_j| ||grad s_j||,
+  and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1.
+  """
 
   def loss_fn(params, micro, micro_key):
     model = nnx.merge(graphdef, params)
@@ -102,9 +107,17 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   micro = _split_microbatches(batch, num_microbatches, group_size)
   keys = jax.random.split(key, num_microbatches)
 
+  def logits_fn_of(params, attention_mask):
+    return rl_loss.model_logits_fn(nnx.merge(graphdef, params), attention_mask)
+
   def accumulate(grads, inputs):
     mb, mb_key = inputs
     (_, metrics), mb_grads = grad_fn(state.params, mb, mb_key)
+    if gradient_bound:
+      hp = dict(hparams)
+      metrics["grad_bound/max"] = rl_loss.surrogate_gradient_bound(
+          logits_fn_of, state.params, mb, mb_key, spec=spec, surrogate=hp["surrogate"],
+          omega=hp["omega"])
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
     return grads, metrics
 
@@ -115,6 +128,8 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     metrics["log10_ratio/max"] = metrics["log_ratio/max"] / math.log(10.0)
 
   grad_norm = optax.tree.norm(grads)
+  if gradient_bound:  # The mean of the microbatch gradients is bounded by their largest bound.
+    metrics["grad_norm_over_bound/max"] = grad_norm / metrics["grad_bound/max"]
   finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
   # Zero non-finite gradients before the optimizer so that its state stays finite
   # even in the branch that is discarded.

@@ -154,7 +154,8 @@ class Trainer:
         objective=config.objective.name, hparams=config_lib.objective_hparams(config),
         group_size=config.rollout.group_size,
         num_microbatches=config_lib.num_microbatches(config),
-        use_reference=config.train.reference_model)
+        use_reference=config.train.reference_model,
+        gradient_bound=config.train.gradient_bound)
     self.estimate_no_grad = jax.jit(
         lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
             params, batch, key, graphdef=self.graphdef, spec=self.spec,

@@ -1,0 +1,90 @@
+"""Many runs from one supervised start: the objective comparison and the stress test.
+
+Every run of a sweep copies the same fitted supervised model into its workdir, so that objectives
+differ only in what the sweep sets. Host-side glue over ``trainer.train``; nothing here is jitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from typing import Any
+
+import ml_collections
+
+from stabledrl_jax.training import metrics_writer, trainer
+
+# The objectives compared, as (name, config overrides as dotted paths). Every variant keeps the
+# config's estimator except token-level GRPO (d1), which scores every token with mean-field masks.
+OBJECTIVE_VARIANTS: dict[str, dict[str, Any]] = {
+    "grpo_token": {"objective.name": "grpo", "objective.grpo.level": "token",
+                   "estimator.method": "mean_field"},
+    "grpo_sequence": {"objective.name": "grpo", "objective.grpo.level": "sequence"},
+    "espo": {"objective.name": "espo"},
+    "spg": {"objective.name": "spg"},
+    "wd1": {"objective.name": "wd1"},
+    "stabledrl": {"objective.name": "stabledrl"},
+}
+
+
+def with_overrides(config: ml_collections.ConfigDict,
+                   overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with ``{"a.b.c": value}`` fields set (each must exist)."""
+  config = config.copy_and_resolve_references()
+  for field, value in overrides.items():
+    *path, name = field.split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    if name not in node:
+      raise KeyError(f"config has no field {field!r}")
+    node[name] = value
+  return config
+
+
+def fit_supervised_start(config: ml_collections.ConfigDict, directory: str) -> str:
+  """Fits (or finds) the config's supervised start in ``directory``; returns its model dir."""
+  start = os.path.join(directory, trainer.SFT_DIR)
+  if not os.path.exists(os.path.join(start, "config.json")):
+    trainer.train(with_overrides(config, {"train.num_steps": 0}), directory)
+  return start
+
+
+@dataclasses.dataclass
+class RunResult:
+  """One finished (or stopped) run.
+
+  Attributes:
+    history: the per-step records of ``metrics.jsonl`` (``step`` included).
+    wall_s: seconds the run took, compilation included.
+    stopped: why the run ended early ('' if it did not).
+  """
+
+  history: list[dict[str, Any]]
+  wall_s: float
+  stopped: str = ""
+
+
+def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str) -> RunResult:
+  """Trains ``config`` in a fresh ``workdir`` from the supervised model at ``start``.
+
+  A run stopped by ``train.max_consecutive_skips`` keeps the steps it logged.
+  """
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  shutil.copytree(start, os.path.join(workdir, trainer.SFT_DIR))
+  began = time.perf_counter()
+  stopped = ""
+  try:
+    trainer.train(config, workdir)
+  except trainer.TooManySkipsError as err:
+    stopped = str(err)
+  history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  return RunResult(history=history, wall_s=time.perf_counter() - began, stopped=stopped)
+
+
+def metric(record: dict[str, Any], name: str) -> float:
+  """A metric as a float (``metrics.jsonl`` stores inf and nan as strings)."""
+  return float(record[name])
