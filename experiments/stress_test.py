@@ -47,10 +47,13 @@ _FRACTION = flags.DEFINE_float("fraction", 0.7, "Stressed fraction f of the samp
 _EXPLOSION_FACTOR = flags.DEFINE_float(
     "explosion_factor", 10.0, "An objective's explosion threshold is this x the median "
     "gradient norm of its own normal run.")
-_FINAL_STEPS = flags.DEFINE_integer("final_steps", 3,
+_FINAL_STEPS = flags.DEFINE_integer("final_steps", 5,
                                     "final_reward averages the last this many steps.")
 _OBJECTIVES = flags.DEFINE_list("objectives", None,
                                 "Objectives to run (default: all of sweep.OBJECTIVE_VARIANTS).")
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+    "summarize_only", False, "Train nothing: summarize the runs already in --workdir (e.g. "
+    "with another --explosion_factor or --final_steps).")
 
 CONDITIONS = ("normal", "stress")
 
@@ -123,6 +126,26 @@ def markdown_table(summary: dict) -> str:
   return "\n".join(lines)
 
 
+def run_all(base, workdir: str, names: list[str]) -> dict:
+  """Every objective in both conditions from one supervised start: {"name/condition": result}."""
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  began = time.perf_counter()
+  start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
+  print(f"supervised start: {time.perf_counter() - began:.0f} s", flush=True)
+  results = {}
+  for name in names:
+    for condition in CONDITIONS:
+      overrides = dict(sweep.OBJECTIVE_VARIANTS[name])
+      overrides["estimator.stress.fraction"] = _FRACTION.value if condition == "stress" else 0.0
+      if name == "stabledrl":
+        overrides["train.gradient_bound"] = True
+      config = sweep.with_overrides(base, overrides)
+      result = sweep.train_from_start(config, start, os.path.join(workdir, name, condition))
+      results[f"{name}/{condition}"] = result
+      print(f"{name}/{condition}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+  return results
+
+
 def main(argv) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -138,20 +161,11 @@ def main(argv) -> None:
   if not 0 < _FRACTION.value <= 1:
     raise app.UsageError(f"--fraction must lie in (0, 1], got {_FRACTION.value}")
   began = time.perf_counter()
-  start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
-  print(f"supervised start: {time.perf_counter() - began:.0f} s", flush=True)
-
-  results = {}
-  for name in names:
-    for condition in CONDITIONS:
-      overrides = dict(sweep.OBJECTIVE_VARIANTS[name])
-      overrides["estimator.stress.fraction"] = _FRACTION.value if condition == "stress" else 0.0
-      if name == "stabledrl":
-        overrides["train.gradient_bound"] = True
-      config = sweep.with_overrides(base, overrides)
-      result = sweep.train_from_start(config, start, os.path.join(workdir, name, condition))
-      results[f"{name}/{condition}"] = result
-      print(f"{name}/{condition}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+  if _SUMMARIZE_ONLY.value:
+    results = {f"{name}/{condition}": sweep.finished_run(os.path.join(workdir, name, condition))
+               for name in names for condition in CONDITIONS}
+  else:
+    results = run_all(base, workdir, names)
 
   summary = {}
   for name in names:

@@ -239,6 +239,21 @@ def test_stabledrl_gradient_stays_inside_its_convex_hull_bound(num_microbatches)
                              metrics["grad_norm"] / metrics["grad_bound/max"], rtol=1e-6)
 
 
+def test_zero_advantages_give_a_zero_bound_ratio_not_nan():
+  graphdef, params, batch = _toy_model_and_batch()
+  batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=1, normalize="mean",
+                                token_level=False, eubo_beta=None, mask_id=15)
+  tx = optax.sgd(1e-3)
+  _, metrics = train_step.update_step(
+      train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
+      graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
+      hparams=(("omega", 0.5), ("surrogate", "elbo")), group_size=2, num_microbatches=1,
+      use_reference=False, gradient_bound=True)
+  assert float(metrics["grad_bound/max"]) == 0 and float(metrics["grad_norm"]) == 0
+  assert float(metrics["grad_norm_over_bound/max"]) == 0
+
+
 def test_microbatches_keep_groups_whole():
   batch = jnp.arange(12)  # 6 groups of 2, microbatch m gets groups m, m + 3.
   split = train_step._split_microbatches(batch, 3, 2)

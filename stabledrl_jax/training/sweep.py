@@ -7,6 +7,7 @@ differ only in what the sweep sets. Host-side glue over ``trainer.train``; nothi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -15,6 +16,8 @@ from typing import Any
 import ml_collections
 
 from stabledrl_jax.training import metrics_writer, trainer
+
+_RESULT_FILE = "run_result.json"
 
 # The objectives compared, as (name, config overrides as dotted paths). Every variant keeps the
 # config's estimator except token-level GRPO (d1), which scores every token with mean-field masks.
@@ -82,7 +85,21 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   except trainer.TooManySkipsError as err:
     stopped = str(err)
   history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
-  return RunResult(history=history, wall_s=time.perf_counter() - began, stopped=stopped)
+  wall_s = time.perf_counter() - began
+  with open(os.path.join(workdir, _RESULT_FILE), "w") as f:
+    json.dump({"wall_s": wall_s, "stopped": stopped}, f)
+  return RunResult(history=history, wall_s=wall_s, stopped=stopped)
+
+
+def finished_run(workdir: str) -> RunResult:
+  """The result of a run that ``train_from_start`` finished in ``workdir``, read back."""
+  path = os.path.join(workdir, _RESULT_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no finished run in {workdir!r} (no {_RESULT_FILE})")
+  with open(path) as f:
+    result = json.load(f)
+  history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  return RunResult(history=history, wall_s=result["wall_s"], stopped=result["stopped"])
 
 
 def metric(record: dict[str, Any], name: str) -> float:

@@ -129,7 +129,11 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
 
   grad_norm = optax.tree.norm(grads)
   if gradient_bound:  # The mean of the microbatch gradients is bounded by their largest bound.
-    metrics["grad_norm_over_bound/max"] = grad_norm / metrics["grad_bound/max"]
+    bound = metrics["grad_bound/max"]
+    # A zero bound (all advantages 0) allows only a zero gradient: 0 / 0 counts as 0, not NaN.
+    metrics["grad_norm_over_bound/max"] = jnp.where(
+        bound > 0, grad_norm / jnp.where(bound > 0, bound, 1.0),
+        jnp.where(grad_norm > 0, jnp.inf, 0.0))
   finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
   # Zero non-finite gradients before the optimizer so that its state stays finite
   # even in the branch that is discarded.
