@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import sys
@@ -72,6 +73,24 @@ def generation_files(paths: Iterable[str | pathlib.Path]) -> list[pathlib.Path]:
   return files
 
 
+def setup_records(directory: str | pathlib.Path, task_name: str) -> list[dict[str, Any]]:
+  """The records of the first setup (by name) of `task_name` in a directory, shards in order.
+
+  The question set a published run was scored on: d1's baselines hold 1130 of GSM8K's 1319 test
+  questions and 256 of the 500 sudoku puzzles, the same for every generation length.
+  """
+  shards: dict[str, list[tuple[int, pathlib.Path]]] = {}
+  for path in generation_files([directory]):
+    setup = setup_of(path)
+    if setup.split("_", 1)[0] == task_name:
+      shard = int(_GENERATION_FILE.fullmatch(path.name).group("shard"))
+      shards.setdefault(setup, []).append((shard, path))
+  if not shards:
+    raise ValueError(f"{directory} has no {task_name}_..._SHARD_generations.json files")
+  return [record for _, path in sorted(shards[min(shards)])
+          for record in tasks.read_records(path)]
+
+
 def score_records(task: tasks.Task, records: Iterable[Mapping[str, Any]],
                   result: SetupResult | None = None) -> SetupResult:
   """Adds each {"question", "generations", "ground_truth"} record's score to `result`."""
@@ -118,8 +137,30 @@ def write_generations(path: str | pathlib.Path, examples: Sequence[tasks.Example
   records = [{"question": example.question, "generations": completion,
               "ground_truth": example.ground_truth}
              for example, completion in zip(examples, completions)]
-  pathlib.Path(path).write_text(json.dumps({"generations": records, **metadata}, indent=2),
-                                encoding="utf-8")
+  path = pathlib.Path(path)
+  # Written aside and renamed: a killed writer leaves no torn file that a reader would score or
+  # a resumed run would take for finished. The temporary name does not match *_generations.json.
+  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  temporary.write_text(json.dumps({"generations": records, **metadata}, indent=2),
+                       encoding="utf-8")
+  os.replace(temporary, path)
+
+
+def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | None = None
+           ) -> dict[str, SetupResult]:
+  """Scores `paths`, prints the table and, given `output`, writes {setup: {accuracy, n}} there.
+
+  Raises:
+    ValueError: no generation files under `paths`.
+  """
+  results = score_generation_files(paths)
+  if not results:
+    raise ValueError(f"no *_SHARD_generations.json files in {', '.join(map(str, paths))}")
+  print(format_table(results))
+  if output:
+    pathlib.Path(output).write_text(json.dumps(results_as_json(results), indent=2) + "\n",
+                                    encoding="utf-8")
+  return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,15 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--output", help="write {setup: {accuracy, n}} as JSON to this file")
   args = parser.parse_args(argv)
   try:
-    results = score_generation_files(args.paths)
+    report(args.paths, args.output)
   except (OSError, ValueError, KeyError) as error:
     parser.error(str(error))
-  if not results:
-    parser.error("no *_SHARD_generations.json files found")
-  print(format_table(results))
-  if args.output:
-    pathlib.Path(args.output).write_text(json.dumps(results_as_json(results), indent=2) + "\n",
-                                         encoding="utf-8")
   return 0
 
 

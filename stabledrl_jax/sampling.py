@@ -187,6 +187,23 @@ def check_prompts(prompt_tokens: Array, prompt_mask: Array | None) -> tuple[Arra
   return prompt_tokens, prompt_mask
 
 
+def check_settings(*, gen_length: int, steps: int, block_length: int, temperature: float = 0.0,
+                   remasking: str = "low_confidence", cfg_scale: float = 0.0) -> None:
+  """Raises ValueError unless `generate` accepts these options (cheap: nothing is compiled)."""
+  if gen_length <= 0 or block_length <= 0 or steps <= 0:
+    raise ValueError("gen_length, block_length and steps must be positive")
+  if gen_length % block_length:
+    raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length "
+                     f"({block_length})")
+  num_blocks = gen_length // block_length
+  if steps % num_blocks:
+    raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks})")
+  if remasking not in REMASKING:
+    raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+  if temperature < 0 or cfg_scale < 0:
+    raise ValueError("temperature and cfg_scale must be >= 0")
+
+
 def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length: int, steps: int,
              block_length: int, temperature: float = 0.0, remasking: str = "low_confidence",
              cfg_scale: float = 0.0, prompt_mask: Array | None = None, stop_at_eos: bool = False,
@@ -218,18 +235,8 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     (-1 for positions never decoded because of stop_at_eos).
   """
   prompt_tokens, prompt_mask = check_prompts(prompt_tokens, prompt_mask)
-  if gen_length <= 0 or block_length <= 0 or steps <= 0:
-    raise ValueError("gen_length, block_length and steps must be positive")
-  if gen_length % block_length:
-    raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length "
-                     f"({block_length})")
-  num_blocks = gen_length // block_length
-  if steps % num_blocks:
-    raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks})")
-  if remasking not in REMASKING:
-    raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
-  if temperature < 0 or cfg_scale < 0:
-    raise ValueError("temperature and cfg_scale must be >= 0")
+  check_settings(gen_length=gen_length, steps=steps, block_length=block_length,
+                 temperature=temperature, remasking=remasking, cfg_scale=cfg_scale)
   graphdef, state = nnx.split(model)
   tokens, reveal_step = _generate(
       graphdef, state, prompt_tokens.astype(jnp.int32), prompt_mask, key,

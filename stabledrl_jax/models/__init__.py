@@ -10,6 +10,7 @@ their Hugging Face checkpoint IO.
     logits = sdar.staircase(noisy, clean)            # [x_t ; x_0] in one pass: [B, L, vocab_size]
 
     model = from_pretrained("/path/to/checkpoint", dtype=jnp.bfloat16, mesh=mesh)  # by model_type
+    config = load_config("/path/to/checkpoint")     # its config.json alone
 
 Modules: `config` / `sdar_config` (configs), `layers` (RMSNorm, rotary, SwiGLU MLP, attention),
 `llada` and `sdar` (the models), `staircase` (block-causal and staircase attention masks),
@@ -24,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax.models.config import CONFIG_NAMES, ModelConfig, get_config
-from stabledrl_jax.models.hf_io import CheckpointError, from_pretrained, save_pretrained
+from stabledrl_jax.models.hf_io import (CheckpointError, from_pretrained, load_config,
+                                        save_pretrained)
 from stabledrl_jax.models.llada import LLaDA
 from stabledrl_jax.models.sdar import SDAR, KVCache
 from stabledrl_jax.models.sdar_config import SDAR_CONFIG_NAMES, SDARConfig, get_sdar_config
@@ -59,6 +61,6 @@ def init_model(config: ModelConfig | SDARConfig, *, seed: int = 0, mesh=None,
 __all__ = [
     "CONFIG_NAMES", "CheckpointError", "KVCache", "LLaDA", "LOGICAL_AXIS_RULES", "ModelConfig",
     "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES", "batch_sharding", "count_params",
-    "from_pretrained", "get_config", "get_sdar_config", "init_model", "param_bytes",
-    "param_shardings", "save_pretrained",
+    "from_pretrained", "get_config", "get_sdar_config", "init_model", "load_config",
+    "param_bytes", "param_shardings", "save_pretrained",
 ]

@@ -357,6 +357,17 @@ def _load_array(reader: _Reader, name: str, shape: tuple[int, ...], transpose: b
   return jax.make_array_from_callback(shape, sharding, host_slice)
 
 
+def _read_hf_config(path: str) -> dict[str, Any]:
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    return json.load(f)
+
+
+def load_config(path: str, **overrides) -> ModelConfig | SDARConfig:
+  """The model config of a checkpoint directory (its config.json; no tensor is read)."""
+  hf_config = _read_hf_config(path)
+  return FAMILIES[model_family(hf_config)].config_from_hf(hf_config, **overrides)
+
+
 def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
                     rules: sharding_lib.LogicalRules = sharding_lib.LOGICAL_AXIS_RULES,
                     **config_overrides) -> LLaDA | SDAR:
@@ -379,8 +390,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
   """
   if mesh is not None:
     sharding_lib.check_auto_mesh(mesh)
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    hf_config = json.load(f)
+  hf_config = _read_hf_config(path)
   family = FAMILIES[model_family(hf_config)]
   overrides = dict(param_dtype=dtype, dtype=dtype)
   overrides.update(config_overrides)

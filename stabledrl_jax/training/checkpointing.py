@@ -16,19 +16,34 @@ import jax
 import orbax.checkpoint as ocp
 
 
-class Checkpointer:
-  """Asynchronous saves of (state, meta) into ``<workdir>/checkpoints``, keeping the last N."""
+CHECKPOINT_DIR = "checkpoints"
 
-  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+
+class Checkpointer:
+  """Asynchronous saves of (state, meta) into ``<workdir>/checkpoints``, keeping the last N.
+
+  ``read_only=True`` opens a workdir for restoring alone (an evaluation beside a running
+  training): it neither creates the directory nor removes the temporary directory of a save in
+  progress.
+  """
+
+  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
+    self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True, max_to_keep=None, create=False,
+                                             save_interval_steps=0)
+    else:
+      options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                              enable_async_checkpointing=async_save,
-                                             cleanup_tmp_directories=True))
+                                             cleanup_tmp_directories=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Starts saving (returns before the write completes when asynchronous)."""
@@ -40,6 +55,18 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["meta"]
+
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """The parameters of ``step`` alone; the optimizer state is not read.
+
+    ``abstract_params`` holds ShapeDtypeStructs (with shardings) in the structure of
+    ``state.params``; the parameters are placed and cast like them.
+    """
+    item = {"params": abstract_params}
+    restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)))
+    return restored["state"]["params"]
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

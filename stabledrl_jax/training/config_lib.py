@@ -232,6 +232,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"split over data x fsdp = {ways} devices")
 
 
+def model_overrides(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
+  """ModelConfig fields of a fresh ``model.name``: its overrides, dtypes, remat, tokenizer ids.
+
+  A character tokenizer defines the vocabulary, so its size and special ids replace the named
+  config's.
+  """
+  overrides = dict(config.model.overrides)
+  overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                   remat=config.model.remat)
+  if config.tokenizer.kind == "char":
+    overrides.update(vocab_size=tokenizer.vocab_size, embedding_size=tokenizer.vocab_size,
+                     mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
+  return overrides
+
+
 def num_microbatches(config: ml_collections.ConfigDict) -> int:
   groups = config.train.microbatch_groups or config.rollout.num_prompts
   return config.rollout.num_prompts // groups

@@ -26,11 +26,15 @@ def make_tokenizer(config: ml_collections.ConfigDict):
 
 
 def format_prompt(tokenizer, task: tasks.Task, example: tasks.Example, *,
-                  with_instruction: bool) -> str:
-  """The prompt text; chat tokenizers wrap it in their chat template."""
+                  with_instruction: bool, assistant_prefix: str = "") -> str:
+  """The prompt text; chat tokenizers wrap it in their chat template.
+
+  ``assistant_prefix`` starts the assistant's turn of a chat template (d1's evaluation prompts
+  end with "<reasoning>"); tokenizers without a template ignore it.
+  """
   text = task.prompt(example, with_instruction=with_instruction)
   if hasattr(tokenizer, "chat_prompt"):
-    return tokenizer.chat_prompt(text)
+    return tokenizer.chat_prompt(text, assistant_prefix=assistant_prefix)
   return text
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import ml_collections
@@ -47,3 +48,16 @@ def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
 def data_parallel_size(mesh: Mesh) -> int:
   """Ways the batch is split: data x fsdp."""
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def pad_rows(arrays: Sequence[np.ndarray], multiple: int) -> tuple[list[np.ndarray], int]:
+  """Pads [B, ...] arrays with copies of their last row up to a multiple of `multiple` rows.
+
+  A batch split over the mesh needs the same number of rows on every device; copies of a real row
+  keep the padding harmless to compute. Returns the padded arrays and B, the real rows to keep.
+  """
+  real = len(arrays[0])
+  pad = -real % multiple
+  if pad:
+    arrays = [np.concatenate([x, np.repeat(x[-1:], pad, axis=0)]) for x in arrays]
+  return list(arrays), real

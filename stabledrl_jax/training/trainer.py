@@ -43,23 +43,14 @@ class TooManySkipsError(RuntimeError):
   """Raised after ``train.max_consecutive_skips`` non-finite updates in a row."""
 
 
-def _model_overrides(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
-  overrides = dict(config.model.overrides)
-  overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                   remat=config.model.remat)
-  if config.tokenizer.kind == "char":
-    overrides.update(vocab_size=tokenizer.vocab_size, embedding_size=tokenizer.vocab_size,
-                     mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
-  return overrides
-
-
 def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LLaDA:
   """A checkpoint (``model.checkpoint``), else a fresh model of ``model.name``."""
   if config.model.checkpoint:
     return models.from_pretrained(config.model.checkpoint, mesh=mesh,
                                   dtype=jnp.dtype(config.model.param_dtype),
                                   remat=config.model.remat)
-  model_config = models.get_config(config.model.name, **_model_overrides(config, tokenizer))
+  model_config = models.get_config(config.model.name,
+                                   **config_lib.model_overrides(config, tokenizer))
   return models.init_model(model_config, seed=config.seed, mesh=mesh)
 
 
@@ -212,12 +203,10 @@ class Trainer:
     correct = total = reward = 0.0
     size = self.config.eval.batch_size
     for start in range(0, len(prompts.examples), size):
-      tokens, mask = prompts.tokens[start:start + size], prompts.mask[start:start + size]
-      real = len(tokens)
-      pad = -real % mesh_lib.data_parallel_size(self.mesh)
-      if pad:  # Static shapes over the mesh: pad the last batch, drop the padding after.
-        tokens = np.concatenate([tokens, np.repeat(tokens[-1:], pad, 0)])
-        mask = np.concatenate([mask, np.repeat(mask[-1:], pad, 0)])
+      # Static shapes over the mesh: pad the last batch, drop the padding after.
+      (tokens, mask), real = mesh_lib.pad_rows(
+          [prompts.tokens[start:start + size], prompts.mask[start:start + size]],
+          mesh_lib.data_parallel_size(self.mesh))
       out = self.generate(params, tokens, mask, key, temperature=0.0, steps=steps)[:real]
       texts = data.decode_completions(self.tokenizer, out[:, r.prompt_length:])
       for text, example in zip(texts, prompts.examples[start:start + real]):

@@ -1,0 +1,506 @@
+r"""Evaluate a checkpoint: d1-protocol generations for each task and length, then d1 scoring.
+
+    python -m stabledrl_jax.evaluate --checkpoint PATH --task gsm8k|math500|countdown|sudoku|all \
+        --gen_lengths 128,256,512 --output_dir DIR
+
+PATH is a training workdir (its latest orbax checkpoint, or --step) or a Hugging Face checkpoint
+directory (see training/checkpoint_source.py). For each task and generation length the test
+examples become left-padded prompts, decoded with d1's settings (steps = length / 2, blocks of
+32, greedy; each can be overridden) in batches split over the data axes of the mesh, and are
+written in d1's format to DIR/TASK_MODEL_GENLEN_STEPS_SHARD_generations.json, one file per shard
+of --shard_size examples. Then the table and JSON of the scoring CLI
+(`python -m stabledrl_jax.evaluation DIR`) for every generation file in DIR.
+
+Resuming: each shard file is written atomically once all its rows are decoded, so rerunning the
+same command skips the finished shards and starts at the first unfinished one. Row noise comes
+from fold_in(seed, shard, batch), so a resumed run writes what an uninterrupted one would.
+
+Several hosts (jax.distributed, --distributed): host p of P decodes shards p, p + P, ... on a mesh
+of its own devices, so file names never collide and no host waits for another before the end;
+then host 0 scores the directory (with every host's files when the directory is shared).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+from absl import app, flags, logging
+from jax.experimental import multihost_utils
+
+from stabledrl_jax import evaluation, models, sampling, tasks
+from stabledrl_jax.training import checkpoint_source, config_lib, data, mesh as mesh_lib
+
+D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
+# The d1 test sets of SPEC section 9 that are files; gsm8k and math500 come from the Hub.
+D1_TEST_FILES = {"countdown": "countdown_cd3_test.jsonl", "sudoku": "4x4_test_sudoku.csv"}
+D1_ASSISTANT_PREFIX = "<reasoning>"
+_MODEL_NAME = re.compile(r"[A-Za-z0-9.-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+  """One decoding setup of `sampling.generate`; `d1(gen_length)` gives d1's."""
+
+  gen_length: int
+  steps: int
+  block_length: int = 32
+  temperature: float = 0.0
+  remasking: str = "low_confidence"
+  cfg_scale: float = 0.0
+
+  @classmethod
+  def d1(cls, gen_length: int, *, steps: int = 0, **overrides) -> "SamplerSettings":
+    """d1's protocol: steps = gen_length / 2 unless `steps` is given, blocks of 32, greedy."""
+    return cls(gen_length, steps or gen_length // 2, **overrides)
+
+  def check(self) -> None:
+    """Raises ValueError unless the sampler accepts these settings."""
+    sampling.check_settings(**dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+  """How a question becomes a prompt (`data.format_prompt`) and its length.
+
+  Attributes:
+    with_instruction: the task's instruction before the question.
+    assistant_prefix: the start of the assistant's turn, for chat tokenizers.
+    length: P, the padded prompt length (0: the longest prompt of the task).
+  """
+
+  with_instruction: bool = True
+  assistant_prefix: str = ""
+  length: int = 0
+
+
+# ---------------------------------------------------------------------------
+# Test data, prompts and file names.
+# ---------------------------------------------------------------------------
+
+
+def load_test_set(task_name: str, source: str = "", *, data_dir: str = "../shared/data",
+                  limit: int = 0, seed: int = 0,
+                  workdir_config: ml_collections.ConfigDict | None = None
+                  ) -> list[tasks.Example]:
+  """The examples a task is evaluated on.
+
+  Args:
+    task_name: a registered task.
+    source: '' (d1's test set: DATA_DIR/countdown_cd3_test.jsonl, DATA_DIR/4x4_test_sudoku.csv,
+      the Hub's test splits of gsm8k and math500), a local file, a directory of d1 generation
+      files (the questions of the task's first setup there, e.g. those of d1's baselines),
+      'hub' (the task's Hub dataset), a Hub dataset name, or 'synthetic' (the task's generator;
+      for a checkpoint of a workdir that trained this task, seeded and configured as that
+      workdir's held-out set).
+    data_dir: where d1's test files are.
+    limit: keep the first `limit` examples (0: all; 'synthetic': how many, default 256).
+    seed: the generator's seed (config.seed; the held-out set uses seed + 1).
+    workdir_config: the training config of the checkpoint's workdir, if any.
+  """
+  task = tasks.get_task(task_name)
+  if source == "synthetic":
+    if workdir_config is not None and workdir_config.task.name == task.name:
+      config = copy.deepcopy(workdir_config)
+    else:
+      config = config_lib.base_config()
+      config.seed = seed
+      config.task.name = task.name
+    config.data.eval = "synthetic"
+    config.data.eval_size = limit or config.data.eval_size or 256
+    return list(data.make_examples(config, "eval"))
+  if source and os.path.isdir(source):
+    records = evaluation.setup_records(source, task.name)[:limit or None]
+    return [task.example_from_record(record) for record in records]
+  if not source and task.name in D1_TEST_FILES:
+    source = os.path.join(data_dir, D1_TEST_FILES[task.name])
+    if not os.path.isfile(source):
+      raise FileNotFoundError(f"d1's {task.name} test set {source} does not exist; point "
+                              f"--data_dir at it, or give another source (--data {task.name}="
+                              "synthetic, a file or a Hub dataset)")
+  hub_default = source in ("", "hub")
+  try:
+    return tasks.load_examples(task, None if hub_default else source, split="test",
+                               limit=limit or None)
+  except ImportError as error:  # No `datasets`: say how to evaluate offline.
+    raise ImportError(f"{error} A directory of d1 generation files also gives a test set: "
+                      f"--data {task.name}=../shared/data/d1_baseline_generations.") from None
+
+
+def encode_prompts(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example],
+                   style: PromptStyle) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded prompts: tokens [N, P] int32 and their mask [N, P] bool (True: real token)."""
+  texts = [data.format_prompt(tokenizer, task, example, with_instruction=style.with_instruction,
+                              assistant_prefix=style.assistant_prefix) for example in examples]
+  return tokenizer.encode_batch(texts, length=style.length or None, padding_side="left")
+
+
+def model_name_of(name: str) -> str:
+  """`name` as the MODEL field of a file name: runs of characters other than letters, digits, '.'
+  and '-' become '-', so that the name's fields split on '_' unambiguously."""
+  return re.sub(r"[^A-Za-z0-9.-]+", "-", name).strip("-") or "model"
+
+
+def generation_path(output_dir: str | os.PathLike, task_name: str, model_name: str,
+                    settings: SamplerSettings, shard: int) -> pathlib.Path:
+  """DIR/TASK_MODEL_GENLEN_STEPS_SHARD_generations.json, d1's naming."""
+  if not _MODEL_NAME.fullmatch(model_name):
+    raise ValueError(f"model name {model_name!r} may hold only letters, digits, '.' and '-'")
+  return pathlib.Path(output_dir) / (f"{task_name}_{model_name}_{settings.gen_length}_"
+                                     f"{settings.steps}_{shard}_generations.json")
+
+
+def shard_ids(num_examples: int, shard_size: int, process_index: int = 0,
+              process_count: int = 1) -> list[int]:
+  """The shards host `process_index` of `process_count` writes: p, p + P, p + 2P, ...
+
+  Shard k always holds examples [k * shard_size, (k + 1) * shard_size), whatever the number of
+  hosts, so a run resumed on another number of hosts keeps the finished shards.
+  """
+  num_shards = -(-num_examples // shard_size)
+  return list(range(process_index, num_shards, process_count))
+
+
+# ---------------------------------------------------------------------------
+# Generation.
+# ---------------------------------------------------------------------------
+
+
+def sample_completions(model: models.LLaDA, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                       settings: SamplerSettings, *, mesh: jax.sharding.Mesh, batch_size: int,
+                       key: jax.Array, progress: tqdm.tqdm | None = None) -> np.ndarray:
+  """Completions of every prompt, decoded in batches split over the mesh: [N, G] int32 numpy.
+
+  Args:
+    model: a LLaDA model (parameters placed on `mesh`).
+    prompt_tokens: [N, P] left-padded prompts.
+    prompt_mask: [N, P] bool, True for real prompt tokens.
+    settings: the sampler's options.
+    mesh: the (data, fsdp, tensor) mesh; each batch is split over data x fsdp.
+    batch_size: rows per sampler call. A batch that does not split evenly over data x fsdp is
+      padded with copies of its last row, and the padding is dropped after.
+    key: PRNG key; batch b draws from fold_in(key, b).
+    progress: optional tqdm bar, advanced by the real rows of each batch.
+
+  Returns:
+    [N, G] completion tokens; every token after a row's first EOS is EOS.
+  """
+  sharding = models.batch_sharding(mesh)
+  ways = mesh_lib.data_parallel_size(mesh)
+  completions = []
+  for batch, start in enumerate(range(0, len(prompt_tokens), batch_size)):
+    (tokens, mask), real = mesh_lib.pad_rows(
+        [prompt_tokens[start:start + batch_size], prompt_mask[start:start + batch_size]], ways)
+    out = sampling.generate(
+        model, jax.device_put(tokens, sharding), prompt_mask=jax.device_put(mask, sharding),
+        key=jax.random.fold_in(key, batch), stop_at_eos=True, **dataclasses.asdict(settings))
+    completions.append(np.asarray(out)[:real, tokens.shape[1]:])
+    if progress is not None:
+      progress.update(real)
+  return np.concatenate(completions)
+
+
+def _check_sizes(batch_size: int, shard_size: int) -> None:
+  if batch_size < 1 or shard_size < 1:
+    raise ValueError(f"batch size ({batch_size}) and shard size ({shard_size}) must be >= 1")
+
+
+def _check_finished(path: pathlib.Path, header: dict[str, Any],
+                    examples: Sequence[tasks.Example]) -> None:
+  """Raises ValueError unless the shard at `path` was written with `header` for `examples`."""
+  try:
+    written = json.loads(path.read_text(encoding="utf-8"))
+  except ValueError as error:
+    raise ValueError(f"{path} is not a readable generation file ({error}); delete it to decode "
+                     "its shard again") from None
+  questions = [record.get("question") for record in written.get("generations", [])]
+  if written.get("settings") != header or questions != [ex.question for ex in examples]:
+    raise ValueError(f"{path} holds generations of other settings or examples; evaluate into "
+                     "another output directory or under another model name")
+
+
+def generate_shards(model: models.LLaDA, tokenizer, task: tasks.Task,
+                    examples: Sequence[tasks.Example], settings: SamplerSettings, *,
+                    output_dir: str | os.PathLike, model_name: str, mesh: jax.sharding.Mesh,
+                    key: jax.Array, style: PromptStyle = PromptStyle(), batch_size: int = 64,
+                    shard_size: int = 128, process_index: int = 0, process_count: int = 1,
+                    metadata: dict[str, Any] | None = None) -> list[pathlib.Path]:
+  """Decodes this host's unfinished shards of `examples` and writes each in d1's format.
+
+  A shard already in `output_dir` is checked (same settings, same questions) and skipped, so an
+  interrupted run resumes at its first unfinished shard.
+
+  Args:
+    model, tokenizer, task: the policy, its tokenizer and the `tasks.Task`.
+    examples: the test set; shard k holds examples [k * shard_size, (k + 1) * shard_size).
+    settings: the sampler's options.
+    output_dir: where the generation files go.
+    model_name: the MODEL field of the file names.
+    mesh: the device mesh of `model`.
+    key: PRNG key; shard k, batch b draws from fold_in(fold_in(key, k), b).
+    style: prompt formatting and length.
+    batch_size, shard_size: rows per sampler call, examples per file.
+    process_index, process_count: this host and the number of hosts (see `shard_ids`).
+    metadata: extra top-level fields of every file (d1 keeps model_path etc. there).
+
+  Returns:
+    The paths of this host's shards, finished now or before.
+  """
+  _check_sizes(batch_size, shard_size)
+  os.makedirs(output_dir, exist_ok=True)
+  # Every shard pads to the task's longest prompt: one compiled shape for the whole set, and the
+  # same on every host.
+  tokens, mask = encode_prompts(tokenizer, task, examples, style)
+  # What a finished shard must match to be kept (JSON round trip: lists, not tuples).
+  header = json.loads(json.dumps({**dataclasses.asdict(settings),
+                                  "prompt": dataclasses.asdict(style),
+                                  "shard_size": shard_size, "num_examples": len(examples)}))
+  mine = shard_ids(len(examples), shard_size, process_index, process_count)
+  paths, pending = [], []
+  for shard in mine:
+    path = generation_path(output_dir, task.name, model_name, settings, shard)
+    rows = slice(shard * shard_size, (shard + 1) * shard_size)
+    if path.exists():
+      _check_finished(path, header, examples[rows])
+    else:
+      pending.append((shard, rows, path))
+    paths.append(path)
+  total = sum(len(examples[rows]) for _, rows, _ in pending)
+  progress = tqdm.tqdm(total=total, desc=f"{task.name} {settings.gen_length}", unit="example",
+                       dynamic_ncols=True, disable=not total)
+  try:
+    for shard, rows, path in pending:
+      start = time.perf_counter()
+      completions = sample_completions(model, tokens[rows], mask[rows], settings, mesh=mesh,
+                                       batch_size=batch_size, key=jax.random.fold_in(key, shard),
+                                       progress=progress)
+      texts = data.decode_completions(tokenizer, completions)
+      evaluation.write_generations(
+          path, examples[rows], texts, **(metadata or {}), gen_length=settings.gen_length,
+          diffusion_steps=settings.steps, block_length=settings.block_length,
+          metrics={"wall_time": time.perf_counter() - start, "total_processed": len(texts)},
+          shard=shard, settings=header)
+  finally:
+    progress.close()
+  return paths
+
+
+# ---------------------------------------------------------------------------
+# The command.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything a run needs; the CLI flags of the same names (see `define_flags`)."""
+
+  checkpoint: str
+  task: Sequence[str]
+  output_dir: str
+  gen_lengths: Sequence[int] = (128, 256, 512)
+  step: int | None = None
+  steps: int = 0
+  block_length: int = 32
+  temperature: float = 0.0
+  remasking: str = "low_confidence"
+  cfg_scale: float = 0.0
+  batch_size: int = 64
+  shard_size: int = 128
+  limit: int = 0
+  data: Sequence[str] = ()
+  data_dir: str = "../shared/data"
+  seed: int = 0
+  model_name: str = ""
+  tokenizer: str = ""
+  dtype: str = "auto"
+  mesh: Sequence[int] = (-1, 1, 1)
+  prompt_length: int = 0
+  with_instruction: bool | None = None
+  assistant_prefix: str | None = None
+  output: str = ""
+
+
+def task_names(requested: Sequence[str]) -> list[str]:
+  """'all' -> d1's four tasks; otherwise each name checked against the registry."""
+  names = []
+  for name in requested:
+    if name == "all":
+      names.extend(D1_TASKS)
+    elif name in tasks.list_tasks():
+      names.append(name)
+    else:
+      raise ValueError(f"unknown task {name!r}; choose from {', '.join(tasks.list_tasks())} "
+                       "or 'all'")
+  return list(dict.fromkeys(names))
+
+
+def data_sources(pairs: Sequence[str], names: Sequence[str]) -> dict[str, str]:
+  """'task=source' pairs -> {task: source}; tasks not named get '' (d1's test set)."""
+  sources = {name: "" for name in names}
+  for pair in pairs:
+    task, sep, source = pair.partition("=")
+    if not sep or task not in sources:
+      raise ValueError(f"data source {pair!r} is not TASK=SOURCE for an evaluated task "
+                       f"({', '.join(names)})")
+    sources[task] = source
+  return sources
+
+
+def run(options: Options) -> dict[str, evaluation.SetupResult] | None:
+  """Generates the missing shards of every task and length, then scores OUTPUT_DIR.
+
+  Returns:
+    {setup: evaluation.SetupResult} of every setup in OUTPUT_DIR (host 0; other hosts: None).
+
+  Raises:
+    ValueError, FileNotFoundError: bad options, found before any model is loaded when possible.
+  """
+  # Everything cheap is checked before the model is loaded.
+  names = task_names(options.task)
+  sources = data_sources(options.data, names)
+  settings = [SamplerSettings.d1(length, steps=options.steps, block_length=options.block_length,
+                                 temperature=options.temperature, remasking=options.remasking,
+                                 cfg_scale=options.cfg_scale) for length in options.gen_lengths]
+  if not settings:
+    raise ValueError("no generation length given")
+  for setting in settings:
+    setting.check()
+  _check_sizes(options.batch_size, options.shard_size)
+  if options.model_name and not _MODEL_NAME.fullmatch(options.model_name):
+    raise ValueError(f"model name {options.model_name!r} may hold only letters, digits, '.' "
+                     "and '-' (its fields are split on '_')")
+  try:
+    mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES,
+                                                                 options.mesh))),
+                              devices=jax.local_devices())
+  except ValueError as error:
+    raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(options.mesh)}: {error}") from None
+  source = checkpoint_source.resolve(options.checkpoint, options.step)
+  tokenizer = checkpoint_source.load_tokenizer(source, options.tokenizer)
+  test_sets = {name: load_test_set(name, sources[name], data_dir=options.data_dir,
+                                   limit=options.limit, seed=options.seed,
+                                   workdir_config=source.config) for name in names}
+  dtype = options.dtype
+  if dtype == "auto":  # bf16 wherever it is fast; float32 on CPUs.
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
+  checkpoint_source.check_tokenizer(model.config, tokenizer)
+
+  # A workdir's prompts are those it trained on; d1's carry the task's instruction.
+  with_instruction = options.with_instruction
+  if with_instruction is None:
+    with_instruction = (source.config.task.with_instruction if source.config is not None
+                        else True)
+  prefix = options.assistant_prefix
+  if prefix is None:
+    prefix = D1_ASSISTANT_PREFIX if hasattr(tokenizer, "chat_prompt") else ""
+  style = PromptStyle(with_instruction, prefix, options.prompt_length)
+  model_name = options.model_name or model_name_of(source.name)
+  # d1's fields: the base model, and what was loaded into it ('' for none).
+  metadata = {"model_path": source.path, "checkpoint_path": (
+      source.checkpoint_path if source.kind == checkpoint_source.WORKDIR else "")}
+  key = jax.random.key(options.seed)
+  for name in names:
+    for setting in settings:
+      generate_shards(model, tokenizer, tasks.get_task(name), test_sets[name], setting,
+                      output_dir=options.output_dir, model_name=model_name, mesh=mesh, key=key,
+                      style=style, batch_size=options.batch_size, shard_size=options.shard_size,
+                      process_index=jax.process_index(), process_count=jax.process_count(),
+                      metadata=metadata)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("stabledrl_jax.evaluate: all shards written")
+  if jax.process_index() != 0:
+    return None
+  output = options.output or os.path.join(options.output_dir, "results.json")
+  return evaluation.report([options.output_dir], output)
+
+
+def define_flags() -> None:
+  defaults = Options(checkpoint="", task=(), output_dir="")
+  flags.DEFINE_string("checkpoint", None, "A training workdir or a Hugging Face checkpoint "
+                      "directory.")
+  flags.DEFINE_list("task", None, "gsm8k, math500, countdown, sudoku (comma-separated) or all.")
+  flags.DEFINE_string("output_dir", None, "Where the generation files and results.json go.")
+  flags.DEFINE_list("gen_lengths", [str(n) for n in defaults.gen_lengths],
+                    "Generation lengths, each a multiple of --block_length.")
+  flags.DEFINE_integer("step", None, "Checkpoint step of a workdir (default: the latest).")
+  flags.DEFINE_integer("steps", defaults.steps, "Denoising steps (0: gen_length / 2, d1's).")
+  flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size.")
+  flags.DEFINE_float("temperature", defaults.temperature, "Sampling temperature (0: greedy).")
+  flags.DEFINE_string("remasking", defaults.remasking,
+                      "Remasking strategy, any that stabledrl_jax.sampling accepts.")
+  flags.DEFINE_float("cfg_scale", defaults.cfg_scale, "Classifier-free guidance (0: off).")
+  flags.DEFINE_integer("batch_size", defaults.batch_size, "Rows per sampler call, all devices.")
+  flags.DEFINE_integer("shard_size", defaults.shard_size,
+                       "Examples per generation file; keep it when resuming.")
+  flags.DEFINE_integer("limit", defaults.limit, "Evaluate the first N examples of each task "
+                       "(0: all; synthetic data: N puzzles, default 256).")
+  flags.DEFINE_multi_string("data", [], "TASK=SOURCE: a local file, a directory of d1 generation "
+                            "files (their questions), 'hub', a Hub dataset name or 'synthetic' "
+                            "(default: d1's test set).")
+  flags.DEFINE_string("data_dir", defaults.data_dir, "Where d1's countdown and sudoku test "
+                      "files are.")
+  flags.DEFINE_integer("seed", defaults.seed, "Sampling seed (temperature > 0) and the seed of "
+                       "synthetic test sets.")
+  flags.DEFINE_string("model_name", defaults.model_name, "MODEL field of the file names "
+                      "(default: the checkpoint directory's name, plus -stepN for a workdir).")
+  flags.DEFINE_string("tokenizer", defaults.tokenizer, "'char', a tokenizer.json, or a training "
+                      "workdir or its config.json (default: the checkpoint's own).")
+  flags.DEFINE_enum("dtype", defaults.dtype, ["auto", "float32", "bfloat16"],
+                    "Parameter and compute dtype (auto: float32 on CPU, else bfloat16).")
+  flags.DEFINE_list("mesh", [str(n) for n in defaults.mesh], "data,fsdp,tensor sizes over this "
+                    "host's devices; one may be -1 (the rest).")
+  flags.DEFINE_integer("prompt_length", defaults.prompt_length,
+                       "Padded prompt length (0: the longest prompt of the task).")
+  flags.DEFINE_boolean("with_instruction", None, "Put the task's instruction before the question "
+                       "(default: as the workdir was trained; yes for Hugging Face checkpoints).")
+  flags.DEFINE_string("assistant_prefix", None, "Start of the assistant's turn for chat "
+                      f"tokenizers (default: {D1_ASSISTANT_PREFIX!r}, as d1's evaluation).")
+  flags.DEFINE_string("output", defaults.output, "Results JSON (default: OUTPUT_DIR/results.json).")
+  flags.DEFINE_boolean("distributed", False,
+                       "Call jax.distributed.initialize() first (multi-host).")
+  flags.mark_flags_as_required(["checkpoint", "task", "output_dir"])
+
+
+def options_from_flags() -> Options:
+  """The parsed flags as `Options`; ValueError for lists that are not integers."""
+  values = {field.name: flags.FLAGS[field.name].value for field in dataclasses.fields(Options)}
+  try:
+    values["gen_lengths"] = [int(n) for n in values["gen_lengths"]]
+    values["mesh"] = [int(n) for n in values["mesh"]]
+  except ValueError as error:
+    raise ValueError(f"--gen_lengths and --mesh take integers: {error}") from None
+  if len(values["mesh"]) != 3:
+    raise ValueError(f"--mesh takes three sizes (data,fsdp,tensor), got {values['mesh']}")
+  return Options(**values)
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.ERROR)  # orbax warns about read-only directories at WARNING.
+  if flags.FLAGS.distributed:
+    jax.distributed.initialize()
+  try:
+    run(options_from_flags())
+  except (ValueError, FileNotFoundError, NotImplementedError, ImportError, KeyError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

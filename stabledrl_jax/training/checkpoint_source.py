@@ -1,0 +1,227 @@
+"""What a checkpoint path points at, and the model and tokenizer it holds, for inference.
+
+Two kinds of path:
+
+- a training workdir (``python -m stabledrl_jax.train --workdir``, with ``checkpoints/``): the
+  parameters of its latest orbax checkpoint or of a chosen step; the architecture and tokenizer
+  come from its ``config.json``. Only the parameters are read (not the optimizer state), and the
+  workdir is opened read-only, so training can go on beside an evaluation.
+- a Hugging Face checkpoint directory (``config.json`` and ``model.safetensors`` or its index),
+  read by ``models.from_pretrained``. Its tokenizer is its ``tokenizer.json`` or, for the
+  supervised start ``<workdir>/sft_model``, the tokenizer of the enclosing workdir.
+
+Either way each parameter is created directly in its shards over the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+
+from stabledrl_jax import models, tokenizers
+from stabledrl_jax.models import hf_io
+from stabledrl_jax.training import checkpointing, config_lib, data, trainer
+
+WORKDIR = "workdir"
+HUGGING_FACE = "huggingface"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSource:
+  """A resolved checkpoint path.
+
+  Attributes:
+    kind: WORKDIR or HUGGING_FACE.
+    path: the directory, absolute.
+    step: the orbax step of a workdir (None for a Hugging Face directory).
+    config: the training config of a workdir, or of the workdir a Hugging Face directory sits in
+      (its supervised start ``sft_model``); else None. Prompts, tokenizer and synthetic test sets
+      follow it.
+  """
+
+  kind: str
+  path: str
+  step: int | None = None
+  config: ml_collections.ConfigDict | None = None
+
+  @property
+  def name(self) -> str:
+    """"<workdir>-step<N>"; a Hugging Face directory's name ("<workdir>-<name>" in a workdir)."""
+    base = os.path.basename(self.path)
+    if self.kind == WORKDIR:
+      return f"{base}-step{self.step}"
+    if self.config is not None:
+      return f"{os.path.basename(os.path.dirname(self.path))}-{base}"
+    return base
+
+  @property
+  def checkpoint_path(self) -> str:
+    """Where the parameters are: the step's orbax directory, or the Hugging Face directory."""
+    if self.kind == WORKDIR:
+      return os.path.join(self.path, checkpointing.CHECKPOINT_DIR, str(self.step))
+    return self.path
+
+
+def is_huggingface_dir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, hf_io.CONFIG_FILE)) and any(
+      os.path.isfile(os.path.join(path, name)) for name in (hf_io.SINGLE_FILE, hf_io.INDEX_FILE))
+
+
+def is_workdir(path: str) -> bool:
+  return os.path.isdir(os.path.join(path, checkpointing.CHECKPOINT_DIR))
+
+
+def _training_config(path: str) -> ml_collections.ConfigDict | None:
+  """The training config in ``path`` (a workdir or its config.json), if there is one."""
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  try:
+    with open(path) as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(config, dict) or "tokenizer" not in config or "model" not in config:
+    return None
+  return ml_collections.ConfigDict(config)
+
+
+def resolve(path: str, step: int | None = None) -> CheckpointSource:
+  """Which kind of checkpoint ``path`` is, and which step of a workdir to read.
+
+  Args:
+    path: a training workdir or a Hugging Face checkpoint directory.
+    step: a workdir's checkpoint step (None: the latest).
+
+  Raises:
+    FileNotFoundError: ``path`` does not exist.
+    ValueError: ``path`` is neither kind, the workdir has no (such) step, or ``step`` was given
+      for a Hugging Face directory.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"checkpoint {path} does not exist")
+  path = os.path.abspath(path)
+  if is_workdir(path):
+    config = _training_config(path)
+    if config is None:
+      raise ValueError(f"{path} has checkpoints/ but no training config.json beside it")
+    checkpointer = checkpointing.Checkpointer(path, read_only=True)
+    steps = checkpointer.all_steps()
+    checkpointer.close()
+    if not steps:
+      start = os.path.join(path, trainer.SFT_DIR)
+      hint = (f"; its supervised start is the Hugging Face directory {start}"
+              if is_huggingface_dir(start) else "")
+      raise ValueError(f"workdir {path} has no finished checkpoint yet{hint}")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise ValueError(f"workdir {path} has no checkpoint of step {step}; it has {steps}")
+    return CheckpointSource(WORKDIR, path, step=step, config=config)
+  if is_huggingface_dir(path):
+    if step is not None:
+      raise ValueError(f"a step ({step}) selects a checkpoint of a training workdir; {path} is a "
+                       "Hugging Face checkpoint directory")
+    return CheckpointSource(HUGGING_FACE, path, config=_training_config(os.path.dirname(path)))
+  raise ValueError(
+      f"{path} is neither a training workdir (it has no checkpoints/ directory) nor a Hugging "
+      f"Face checkpoint directory ({hf_io.CONFIG_FILE} with {hf_io.SINGLE_FILE} or "
+      f"{hf_io.INDEX_FILE})")
+
+
+def load_tokenizer(source: CheckpointSource, spec: str = ""):
+  """The tokenizer of ``source``, or the one ``spec`` names.
+
+  Args:
+    source: a resolved checkpoint.
+    spec: '' (the checkpoint's own: a Hugging Face directory's tokenizer.json, else the
+      config.tokenizer of its workdir), 'char' (`CharTokenizer` with the default
+      alphabet), a tokenizer.json (or a directory holding one; LLaDA's special tokens), or a
+      training workdir or its config.json (its config.tokenizer).
+
+  Raises:
+    ValueError: no tokenizer is found.
+  """
+  if spec == "char":
+    return tokenizers.CharTokenizer()
+  if spec:
+    config = _training_config(spec)
+    if config is not None:
+      return data.make_tokenizer(config.tokenizer)
+    if os.path.isfile(spec) or os.path.isfile(os.path.join(spec, "tokenizer.json")):
+      return tokenizers.HFTokenizer.llada(spec)
+    raise ValueError(f"tokenizer {spec!r} is not 'char', a tokenizer.json (or a directory "
+                     "holding one), nor a training workdir or its config.json")
+  if source.kind == HUGGING_FACE and os.path.isfile(os.path.join(source.path, "tokenizer.json")):
+    return tokenizers.HFTokenizer.llada(source.path)
+  if source.config is not None:
+    if source.config.tokenizer.kind == "llada" and not os.path.exists(
+        source.config.tokenizer.path):
+      raise ValueError(f"the workdir's tokenizer {source.config.tokenizer.path!r} does not "
+                       "exist here; pass the tokenizer.json explicitly")
+    return data.make_tokenizer(source.config.tokenizer)
+  raise ValueError(f"{source.path} has no tokenizer.json and is not inside a training workdir; "
+                   "name the tokenizer explicitly ('char', a tokenizer.json or a workdir)")
+
+
+def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> models.ModelConfig:
+  if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
+    if not os.path.isfile(os.path.join(config.model.checkpoint, hf_io.CONFIG_FILE)):
+      raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
+                       f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
+    return models.load_config(config.model.checkpoint, dtype=dtype, param_dtype=dtype)
+  # Only a character tokenizer changes the shapes, and it needs no file.
+  tokenizer = data.make_tokenizer(config.tokenizer) if config.tokenizer.kind == "char" else None
+  overrides = config_lib.model_overrides(config, tokenizer)
+  overrides.update(dtype=dtype, param_dtype=dtype, remat=False)
+  return models.get_config(config.model.name, **overrides)
+
+
+def _require_llada(config: Any, path: str) -> None:
+  if not isinstance(config, models.ModelConfig):
+    raise NotImplementedError(f"{path} holds a {type(config).__name__} model; only LLaDA "
+                              "(full-attention) models have a sampler wired in here")
+
+
+def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> models.LLaDA:
+  """The LLaDA model of ``source`` in ``dtype`` (parameters and compute), sharded over ``mesh``.
+
+  Raises:
+    NotImplementedError: the checkpoint holds another architecture (SDAR).
+  """
+  if source.kind == HUGGING_FACE:
+    _require_llada(models.load_config(source.path), source.path)
+    return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)
+  model_config = _workdir_model_config(source.config, dtype)
+  _require_llada(model_config, source.path)
+  abstract = nnx.eval_shape(lambda: models.LLaDA(model_config, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract, nnx.Param)
+  target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=sharding),
+                        params, models.param_shardings(params, mesh))
+  checkpointer = checkpointing.Checkpointer(source.path, read_only=True)
+  try:
+    params = checkpointer.restore_params(source.step, target)
+  finally:
+    checkpointer.close()
+  return nnx.merge(graphdef, params)
+
+
+def check_tokenizer(model_config: models.ModelConfig, tokenizer) -> None:
+  """Raises ValueError when the tokenizer's mask or EOS id, or its vocabulary, is not the model's:
+  the sampler would then reveal tokens the tokenizer cannot read."""
+  mismatches = []
+  if tokenizer.mask_id != model_config.mask_token_id:
+    mismatches.append(f"mask id {tokenizer.mask_id} vs {model_config.mask_token_id}")
+  if tokenizer.eos_id != model_config.eos_token_id:
+    mismatches.append(f"EOS id {tokenizer.eos_id} vs {model_config.eos_token_id}")
+  if tokenizer.vocab_size < model_config.vocab_size:
+    mismatches.append(f"vocabulary {tokenizer.vocab_size} < {model_config.vocab_size}")
+  if mismatches:
+    raise ValueError("the tokenizer does not fit the model (tokenizer vs model): "
+                     + ", ".join(mismatches))
