@@ -33,6 +33,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=Tr
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each gets its own start.")
 _OBJECTIVES = flags.DEFINE_list("objectives", None,
                                 "Objectives to run (default: all of sweep.OBJECTIVE_VARIANTS).")
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+    "summarize_only", False, "Train nothing: summarize the finished runs in --workdir (e.g. "
+    "those of an interrupted comparison).")
 _FINAL_STEPS = 10
 
 
@@ -87,13 +90,13 @@ def plot(comparison: dict, path: str) -> None:
   plt.close(fig)
 
 
-def markdown_table(comparison: dict, num_seeds: int) -> str:
-  lines = [f"| objective | eval start | eval final (mean +- sd, {num_seeds} seeds) | eval best | "
-           "final reward | s / step |", "|---|---|---|---|---|---|"]
+def markdown_table(comparison: dict) -> str:
+  lines = ["| objective | seeds | eval start | eval final (mean +- sd) | eval best | final reward | "
+           "s / step |", "|---|---|---|---|---|---|---|"]
   for name, e in comparison.items():
-    lines.append(f"| {name} | {e['eval_start']:.2f} | {e['eval_final']:.2f} +- "
-                 f"{e['eval_final_std']:.2f} | {e['eval_best']:.2f} | {e['reward_final']:.3f} | "
-                 f"{e['step_s']:.2f} |")
+    lines.append(f"| {name} | {len(e['seeds'])} | {e['eval_start']:.2f} | {e['eval_final']:.2f} "
+                 f"+- {e['eval_final_std']:.2f} | {e['eval_best']:.2f} | "
+                 f"{e['reward_final']:.3f} | {e['step_s']:.2f} |")
   return "\n".join(lines)
 
 
@@ -119,18 +122,29 @@ def main(argv) -> None:
   per_objective = {name: {} for name in names}
   for seed in seeds:
     seeded = sweep.with_overrides(base, {"seed": seed})
-    start = sweep.fit_supervised_start(seeded, os.path.join(workdir, f"seed{seed}", "sft"))
+    if not _SUMMARIZE_ONLY.value:
+      start = sweep.fit_supervised_start(seeded, os.path.join(workdir, f"seed{seed}", "sft"))
     for name in names:
-      config = sweep.with_overrides(seeded, sweep.OBJECTIVE_VARIANTS[name])
-      result = sweep.train_from_start(config, start, os.path.join(workdir, f"seed{seed}", name))
+      run_dir = os.path.join(workdir, f"seed{seed}", name)
+      if _SUMMARIZE_ONLY.value:
+        try:
+          result = sweep.finished_run(run_dir)
+        except FileNotFoundError:
+          continue
+      else:
+        config = sweep.with_overrides(seeded, sweep.OBJECTIVE_VARIANTS[name])
+        result = sweep.train_from_start(config, start, run_dir)
+        print(f"seed {seed} {name}: {result.wall_s:.0f} s {result.stopped}", flush=True)
       per_objective[name][str(seed)] = run_summary(result)
-      print(f"seed {seed} {name}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+  per_objective = {name: runs for name, runs in per_objective.items() if runs}
+  if not per_objective:
+    raise app.UsageError(f"no finished runs in {workdir}")
 
   comparison = {name: objective_summary(runs) for name, runs in per_objective.items()}
   with open(os.path.join(workdir, "comparison.json"), "w") as f:
     json.dump(comparison, f, indent=2)
   plot(comparison, os.path.join(workdir, "comparison.png"))
-  print("\n" + markdown_table(comparison, len(seeds)))
+  print("\n" + markdown_table(comparison))
   print(f"\nwall time {time.perf_counter() - began:.0f} s; wrote {workdir}/comparison.json and "
         "comparison.png")
 
