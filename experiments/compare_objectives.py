@@ -107,11 +107,10 @@ def main(argv) -> None:
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
-  names = _OBJECTIVES.value or list(sweep.OBJECTIVE_VARIANTS)
-  unknown = sorted(set(names) - set(sweep.OBJECTIVE_VARIANTS))
-  if unknown:
-    raise app.UsageError(f"--objectives: unknown {unknown}; known: "
-                         f"{list(sweep.OBJECTIVE_VARIANTS)}")
+  try:
+    names = sweep.select_objectives(_OBJECTIVES.value)
+  except ValueError as error:
+    raise app.UsageError(f"--objectives: {error}") from None
   try:
     seeds = [int(s) for s in _SEEDS.value]
   except ValueError:

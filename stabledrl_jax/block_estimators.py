@@ -25,7 +25,9 @@ numerator and the denominator of a ratio:
 2. ``estimate_from_block_masks``: one staircase pass over the K noisy copies (the clean stream is
    shared by the K samples), then the weighted sum of the scored token log-probs.
 
-``estimate_block_elbo`` does both. ``normalize="sum"`` estimates log pi(y | x);
+``estimate_block_elbo`` does both. ``fixed_block_masks`` gives deterministic masks in the same
+form: whole blocks (the block model's mean-field per-token log-probs) or the head / tail of each
+block (the stress test's "hard" and "easy" masks). ``normalize="sum"`` estimates log pi(y | x);
 ``normalize="mean"`` estimates the per-token mean (1/L) log pi(y | x), L = completion length. For a
 model whose logits ignore the input, both are unbiased for the exact values (tests check it).
 
@@ -74,6 +76,15 @@ class BlockMaskSample:
   @property
   def num_rows(self) -> int:
     return self.noisy.shape[0]
+
+  @property
+  def scored(self) -> Array:
+    """[R, B, L] bool, the positions whose log-prob enters the estimate (= ``noisy``).
+
+    The name `estimators.MaskSample` uses, so that code reading scored positions and rates
+    (``estimators.eubo_from_samples``, token-level averages) takes either kind of sample.
+    """
+    return self.noisy
 
 
 @flax.struct.dataclass
@@ -173,11 +184,73 @@ def sample_block_masks(key: Array, completion_mask: Array, *, block_size: int,
     weight = jnp.concatenate([_safe_div(block_len[None], count * halves),
                               _safe_div(block_len[None], count_c * 2.0)])
     rate = jnp.concatenate([rate, _safe_div(count_c, block_len[None])])
-  weight = jnp.where(masked, weight[..., None] / k, 0.0)
+  return _pack(masked, eligible, weight, rate, length, k)
+
+
+def _pack(masked: Array, eligible: Array, weight: Array, rate: Array, length: int,
+          num_samples: int) -> BlockMaskSample:
+  """Blocked masks [R, B, nb, bs] with per-block weight and rate [R, B, nb] -> per token.
+
+  The weight is divided by K (the Monte Carlo average) and kept on masked tokens only; the rate
+  on every completion token of the block.
+  """
+  weight = jnp.where(masked, weight[..., None] / num_samples, 0.0)
   rate = jnp.where(eligible[None], rate[..., None], 0.0)
   return BlockMaskSample(noisy=_from_blocks(masked, length),
                          weight=_from_blocks(weight, length).astype(jnp.float32),
                          rate=_from_blocks(rate, length).astype(jnp.float32))
+
+
+FIXED_POSITIONS = ("head", "tail")
+
+
+def fixed_block_masks(completion_mask: Array, *, block_size: int, rate: float = 1.0,
+                      position: str = "head", num_samples: int = 1) -> BlockMaskSample:
+  """Deterministic masks: in every block, the first or last ceil(rate L_j) completion tokens.
+
+  Weighted like `sample_block_masks` rows of that count (L_j / m_j), so the estimate is the
+  block ELBO's term at a fixed mask instead of a random one. Two uses:
+
+  * ``rate=1`` (either position): every completion token of every block masked, weight 1. Each
+    token is scored given the clean blocks before its own and nothing of its block: the block
+    model's mean-field (d1's one-pass per-token log-probs, blockwise). Deterministic, so one row
+    suffices.
+  * the stress test (SPEC section 5, per block): ``position="tail"`` with a small rate masks
+    only the last tokens of each block, which see the rest of their block ("easy": a high
+    estimate, the numerator); ``position="head"`` with rate 1 masks whole blocks ("hard": a low
+    estimate, the denominator).
+
+  Args:
+    completion_mask: [B, L] bool, the completion tokens that count.
+    block_size: the model's block size; blocks are position // block_size.
+    rate: the fraction of each block's completion tokens to mask, in (0, 1]; at least one.
+    position: 'head' (the block's first completion tokens) or 'tail' (its last).
+    num_samples: R identical rows, so that the result can replace R-row masks
+      (``estimators.select_masks``); each row carries 1/R of the weight.
+
+  Returns:
+    A :class:`BlockMaskSample` with R = num_samples rows.
+  """
+  _check_block_size(block_size)
+  if position not in FIXED_POSITIONS:
+    raise ValueError(f"position must be one of {FIXED_POSITIONS}, got {position!r}.")
+  if not 0.0 < rate <= 1.0:
+    raise ValueError(f"rate must lie in (0, 1], got {rate}.")
+  if num_samples < 1:
+    raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+  chex.assert_rank(completion_mask, 2)
+  length = completion_mask.shape[1]
+  eligible = _to_blocks(completion_mask.astype(bool), block_size, False)  # [B, nb, bs]
+  block_len = jnp.sum(eligible, axis=-1).astype(jnp.float32)  # [B, nb] L_j
+  count = jnp.clip(jnp.ceil(rate * block_len), 1, jnp.maximum(block_len, 1)) * (block_len > 0)
+  rank = jnp.cumsum(eligible, axis=-1) - 1.0  # rank among the block's completion tokens
+  if position == "head":
+    masked = eligible & (rank < count[..., None])
+  else:
+    masked = eligible & (rank >= (block_len - count)[..., None])
+  tile = lambda x: jnp.broadcast_to(x[None], (num_samples,) + x.shape)
+  return _pack(tile(masked), eligible, tile(_safe_div(block_len, count)),
+               tile(_safe_div(count, block_len)), length, num_samples)
 
 
 # ---------------------------------------------------------------------------

@@ -401,8 +401,7 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
 # ---------------------------------------------------------------------------
 
 
-def eubo_from_samples(token_logp: Array, masks: MaskSample, *,
-                      beta: float = 1.5) -> Array:
+def eubo_from_samples(token_logp: Array, masks, *, beta: float = 1.5) -> Array:
   """EUBO_beta: per token, log of the row average of ``p^beta / t_hat``, over beta.
 
   ``eubo_i = (1/beta) log((1/R) sum_r 1[i scored in r] p_r(y_i)^beta / t_hat_r)``,
@@ -413,7 +412,9 @@ def eubo_from_samples(token_logp: Array, masks: MaskSample, *,
 
   Args:
     token_logp: [R, B, L] token log-probs of the rows.
-    masks: the rows' :class:`MaskSample`.
+    masks: the rows' :class:`MaskSample` (one rate per row, [R, B]), or a
+      ``block_estimators.BlockMaskSample`` (one rate per token, [R, B, L]: the
+      mask rate m_j / L_j of the token's block).
     beta: the Renyi order, > 0.
 
   Returns:
@@ -422,7 +423,9 @@ def eubo_from_samples(token_logp: Array, masks: MaskSample, *,
   if beta <= 0:
     raise ValueError(f"beta must be > 0, got {beta}.")
   rows = token_logp.shape[0]
-  log_rate = jnp.log(jnp.where(masks.rate > 0, masks.rate, 1.0))[..., None]
+  log_rate = jnp.log(jnp.where(masks.rate > 0, masks.rate, 1.0))
+  if log_rate.ndim < token_logp.ndim:  # One rate per row: the same for all its tokens.
+    log_rate = log_rate[..., None]
   terms = jnp.where(masks.scored, beta * token_logp - log_rate, -jnp.inf)
   scored_any = jnp.any(masks.scored, axis=0)  # [B, L]
   # Tokens scored in no row get a finite dummy (then dropped), so that neither

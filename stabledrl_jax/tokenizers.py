@@ -1,5 +1,5 @@
 """Tokenizers: a character-level one for synthetic tasks, and a wrapper over Hugging Face
-`tokenizers` files that applies the LLaDA-Instruct chat template.
+`tokenizers` files that applies the chat template of LLaDA-Instruct or of SDAR-Chat (Qwen3's).
 
 Both expose the ids a masked diffusion model needs (`mask_id`, `pad_id`, `eos_id`, `vocab_size`),
 `encode` / `decode`, and batch helpers that return numpy int32 arrays:
@@ -162,6 +162,22 @@ def llada_chat_prompt(user_message: str, *, assistant_prefix: str = "") -> str:
           f"{LLADA_START_HEADER}assistant{LLADA_END_HEADER}\n\n{assistant_prefix}")
 
 
+# SDAR-Chat (JetAstra/SDAR): Qwen3's tokenizer plus a mask token; Qwen's chat format.
+SDAR_MASK = "<|MASK|>"
+SDAR_EOS = "<|endoftext|>"
+SDAR_EOT = "<|im_end|>"
+SDAR_MASK_ID = 151669
+SDAR_EOS_ID = 151643
+SDAR_EOT_ID = 151645
+SDAR_VOCAB_SIZE = 151936  # the embedding table size of the SDAR models
+
+
+def qwen_chat_prompt(user_message: str, *, assistant_prefix: str = "") -> str:
+  """The Qwen chat format (SDAR-Chat's) for one user turn, ready for the assistant."""
+  return (f"<|im_start|>user\n{user_message}{SDAR_EOT}\n<|im_start|>assistant\n"
+          f"{assistant_prefix}")
+
+
 class HFTokenizer(_BatchMixin):
   """A `tokenizers.Tokenizer` (tokenizer.json) with the ids a diffusion model needs.
 
@@ -173,12 +189,14 @@ class HFTokenizer(_BatchMixin):
     pad_id: defaults to eos_id (as LLaDA does).
     bos_id, eot_id: optional; eot (end of turn) also ends decoding with `stop_at_eos`.
     vocab_size: the model's vocabulary (embedding) size; defaults to the largest id + 1.
+    chat_template: (user_message, *, assistant_prefix) -> prompt text (`chat_prompt`).
   """
 
   def __init__(self, tokenizer, *, mask_id: int, eos_id: int, pad_id: int | None = None,
                bos_id: int | None = None, eot_id: int | None = None,
-               vocab_size: int | None = None):
+               vocab_size: int | None = None, chat_template=llada_chat_prompt):
     self.tokenizer = tokenizer
+    self.chat_template = chat_template
     self.mask_id = mask_id
     self.eos_id = eos_id
     self.pad_id = eos_id if pad_id is None else pad_id
@@ -191,8 +209,12 @@ class HFTokenizer(_BatchMixin):
   @classmethod
   def from_file(cls, path: str | pathlib.Path, *, mask_token: str, eos_token: str,
                 pad_token: str | None = None, bos_token: str | None = None,
-                eot_token: str | None = None, vocab_size: int | None = None) -> "HFTokenizer":
-    """Loads tokenizer.json (or a directory holding it) and looks the special tokens up."""
+                eot_token: str | None = None, vocab_size: int | None = None,
+                **kwargs) -> "HFTokenizer":
+    """Loads tokenizer.json (or a directory holding it) and looks the special tokens up.
+
+    ``kwargs`` go to the constructor (``chat_template``).
+    """
     import tokenizers  # pylint: disable=g-import-not-at-top
 
     path = pathlib.Path(path)
@@ -210,7 +232,7 @@ class HFTokenizer(_BatchMixin):
 
     return cls(tokenizer, mask_id=id_of(mask_token), eos_id=id_of(eos_token),
                pad_id=id_of(pad_token), bos_id=id_of(bos_token), eot_id=id_of(eot_token),
-               vocab_size=vocab_size)
+               vocab_size=vocab_size, **kwargs)
 
   @classmethod
   def llada(cls, path: str | pathlib.Path, *, check_ids: bool = True) -> "HFTokenizer":
@@ -231,6 +253,24 @@ class HFTokenizer(_BatchMixin):
                "bos": tokenizer.bos_id}
       if found != expected:
         raise ValueError(f"Not LLaDA's special-token ids: found {found}, expected {expected}.")
+    return tokenizer
+
+  @classmethod
+  def sdar(cls, path: str | pathlib.Path, *, check_ids: bool = True) -> "HFTokenizer":
+    """SDAR-Chat's tokenizer (Qwen3's plus <|MASK|>), with Qwen's chat format.
+
+    Args:
+      path: tokenizer.json or the checkpoint directory.
+      check_ids: require the published ids (mask 151669, EOS 151643, end of turn 151645).
+    """
+    tokenizer = cls.from_file(path, mask_token=SDAR_MASK, eos_token=SDAR_EOS,
+                              eot_token=SDAR_EOT, vocab_size=SDAR_VOCAB_SIZE,
+                              chat_template=qwen_chat_prompt)
+    if check_ids:
+      expected = {"mask": SDAR_MASK_ID, "eos": SDAR_EOS_ID, "eot": SDAR_EOT_ID}
+      found = {"mask": tokenizer.mask_id, "eos": tokenizer.eos_id, "eot": tokenizer.eot_id}
+      if found != expected:
+        raise ValueError(f"Not SDAR's special-token ids: found {found}, expected {expected}.")
     return tokenizer
 
   def encode(self, text: str, *, add_eos: bool = False) -> list[int]:
@@ -256,8 +296,8 @@ class HFTokenizer(_BatchMixin):
     return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
   def chat_prompt(self, user_message: str, *, assistant_prefix: str = "") -> str:
-    """The LLaDA-Instruct template around one user message (see `llada_chat_prompt`)."""
-    return llada_chat_prompt(user_message, assistant_prefix=assistant_prefix)
+    """The chat template around one user message (`llada_chat_prompt` unless set)."""
+    return self.chat_template(user_message, assistant_prefix=assistant_prefix)
 
   def encode_chat(self, user_message: str, *, assistant_prefix: str = "") -> list[int]:
     """Token ids of `chat_prompt`: starts with BOS, ends ready for the assistant's reply."""

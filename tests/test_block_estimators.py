@@ -211,6 +211,66 @@ def test_gradient_reaches_every_layer(tiny):
     assert np.all(np.isfinite(g)) and np.any(g != 0), path
 
 
+def test_fixed_masks_take_the_head_or_tail_of_every_block():
+  """Per block of L_j completion tokens: the first / last ceil(rate L_j), weight L_j / m_j."""
+  tokens, _, completion = make_batch()
+  comp = np.asarray(completion)
+  blocks = np.arange(tokens.shape[1]) // BS
+  for position, rate in [("head", 1.0), ("head", 0.5), ("tail", 0.1), ("tail", 0.6)]:
+    masks = be.fixed_block_masks(completion, block_size=BS, rate=rate, position=position,
+                                 num_samples=3)
+    noisy, weight, rate_arr = map(np.asarray, (masks.noisy, masks.weight, masks.rate))
+    assert noisy.shape == (3,) + tokens.shape and not np.any(noisy & ~comp[None])
+    np.testing.assert_array_equal(np.asarray(masks.scored), noisy)
+    np.testing.assert_array_equal(noisy[0], noisy[2])
+    for b in range(tokens.shape[0]):
+      for j in np.unique(blocks):
+        positions = np.flatnonzero((blocks == j) & comp[b])
+        if not positions.size:
+          continue
+        m = int(np.ceil(rate * positions.size))
+        want = positions[:m] if position == "head" else positions[positions.size - m:]
+        np.testing.assert_array_equal(np.flatnonzero(noisy[0, b] & (blocks == j)), want)
+        np.testing.assert_allclose(weight[:, b, want], positions.size / m / 3)
+        np.testing.assert_allclose(rate_arr[:, b, positions], m / positions.size)
+  with pytest.raises(ValueError, match="position"):
+    be.fixed_block_masks(completion, block_size=BS, position="middle")
+  with pytest.raises(ValueError, match="rate"):
+    be.fixed_block_masks(completion, block_size=BS, rate=0.0)
+
+
+def test_whole_block_masks_are_the_exact_mean_field_for_an_input_independent_model():
+  tokens, prompt_mask, completion = make_batch(vocab=16)
+  fn, log_table = input_independent(20, 16)
+  want_sum, want_mean = exact(log_table, tokens, completion)
+  masks = be.fixed_block_masks(completion, block_size=BS)
+  for normalize, want in (("sum", want_sum), ("mean", want_mean)):
+    got = be.estimate_block_elbo(fn, tokens, prompt_mask, completion, None, mask_id=15,
+                                 block_size=BS, masks=masks, normalize=normalize)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_block_eubo_equals_likelihood_under_whole_blocks_and_tends_to_it_under_elbo():
+  """SPG's EUBO from block masks (one mask rate per block) as from flat ones."""
+  from stabledrl_jax import estimators  # pylint: disable=g-import-not-at-top
+  tokens, prompt_mask, completion = make_batch(vocab=16)
+  fn, log_table = input_independent(20, 16)
+  _, want = exact(log_table, tokens, completion)
+  details = be.estimate_block_elbo(fn, tokens, prompt_mask, completion, None, mask_id=15,
+                                   block_size=BS, masks=be.fixed_block_masks(completion,
+                                                                             block_size=BS),
+                                   return_details=True)
+  for beta in (1.0, 1.5):
+    np.testing.assert_allclose(
+        estimators.eubo_from_samples(details.token_logp, details.masks, beta=beta), want,
+        rtol=1e-5)
+  details = be.estimate_block_elbo(fn, tokens, prompt_mask, completion, jax.random.key(9),
+                                   mask_id=15, block_size=BS, num_samples=4096,
+                                   return_details=True)
+  eubo = estimators.eubo_from_samples(details.token_logp, details.masks, beta=1.0)
+  np.testing.assert_allclose(eubo, want, atol=0.05)
+
+
 def test_invalid_options_are_rejected():
   tokens, prompt_mask, completion = make_batch()
   fn, _ = input_independent(20, 16)

@@ -140,3 +140,27 @@ def test_llada_refuses_a_tokenizer_with_other_ids(tmp_path):
   assert tokenizers.HFTokenizer.llada(path, check_ids=False).mask_id == 300
   with pytest.raises(ValueError, match="no token"):
     tokenizers.HFTokenizer.from_file(path, mask_token="<mask>", eos_token="<|endoftext|>")
+
+
+# ---------------------------------------------------------------------------
+# SDAR-Chat: Qwen3's tokenizer plus <|MASK|>, Qwen's chat format.
+# ---------------------------------------------------------------------------
+
+SDAR_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                    "<|MASK|>": 151669}
+
+
+def test_sdar_ids_chat_format_and_decoding(tmp_path):
+  sdar = tokenizers.HFTokenizer.sdar(_tiny_llada_tokenizer_json(tmp_path / "tokenizer.json",
+                                                                SDAR_SPECIAL_IDS))
+  assert (sdar.mask_id, sdar.eos_id, sdar.eot_id, sdar.pad_id) == (151669, 151643, 151645,
+                                                                   151643)
+  assert sdar.vocab_size == tokenizers.SDAR_VOCAB_SIZE == 151936
+  assert sdar.chat_prompt("2+2?") == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+  ids = sdar.encode_chat("hello")
+  assert ids[0] == 151644 and ids.count(151645) == 1 and ids[-1] != 151645
+  answer = sdar.encode("<answer>4</answer>")
+  assert sdar.decode(answer + [151645, 151643, 151643]) == "<answer>4</answer>"
+  shifted = dict(SDAR_SPECIAL_IDS, **{"<|MASK|>": 300})
+  with pytest.raises(ValueError, match="Not SDAR"):
+    tokenizers.HFTokenizer.sdar(_tiny_llada_tokenizer_json(tmp_path / "other.json", shifted))

@@ -26,7 +26,7 @@ from flax import nnx
 
 from stabledrl_jax import models, tokenizers
 from stabledrl_jax.models import hf_io
-from stabledrl_jax.training import checkpointing, config_lib, data, trainer
+from stabledrl_jax.training import checkpointing, data, model_family, trainer
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
@@ -177,9 +177,8 @@ def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> mode
     return models.load_config(config.model.checkpoint, dtype=dtype, param_dtype=dtype)
   # Only a character tokenizer changes the shapes, and it needs no file.
   tokenizer = data.make_tokenizer(config.tokenizer) if config.tokenizer.kind == "char" else None
-  overrides = config_lib.model_overrides(config, tokenizer)
-  overrides.update(dtype=dtype, param_dtype=dtype, remat=False)
-  return models.get_config(config.model.name, **overrides)
+  return dataclasses.replace(model_family.model_config(config, tokenizer), dtype=dtype,
+                             param_dtype=dtype, remat=False)
 
 
 def _require_llada(config: Any, path: str) -> None:

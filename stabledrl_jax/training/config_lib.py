@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from stabledrl_jax import losses
-from stabledrl_jax.training import rl_loss
+from stabledrl_jax.training import model_family, rl_loss
 
 OBJECTIVE_NAMES = ("grpo", "espo", "spg", "wd1", "stabledrl")
 ESTIMATOR_METHODS = ("mean_field", "elbo", "block_random")
@@ -38,9 +38,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 113
 
   c.model = ml_collections.ConfigDict(dict(
-      name="tiny",  # models.get_config name: tiny | small | llada_8b
+      family="llada",  # llada (full-attention masked diffusion) | sdar (block diffusion)
+      # A config of the family: llada: tiny | small | llada_8b (models.get_config);
+      # sdar: tiny | small | sdar_1_7b | sdar_4b | sdar_8b (models.get_sdar_config).
+      name="tiny",
       checkpoint="",  # Hugging Face checkpoint directory; '' = random init (or the SFT start)
-      overrides=ml_collections.ConfigDict(),  # ModelConfig field overrides
+      # Fields of the family's config (ModelConfig / SDARConfig); the shapes both have may use
+      # either family's name (d_model or hidden_size, ...: training/model_family.py).
+      overrides=ml_collections.ConfigDict(),
       dtype="float32",  # compute dtype of activations
       param_dtype="float32",
       remat=False,
@@ -51,9 +56,13 @@ def base_config() -> ml_collections.ConfigDict:
       train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
       generator=ml_collections.ConfigDict()))
 
+  # steps: denoising steps over the whole completion. block_length: LLaDA's semi-autoregressive
+  # blocks; SDAR decodes by its model's block_size (prompt_length and gen_length multiples of it)
+  # and ignores it. remasking: llada: low_confidence | random; sdar: low_confidence (= static) |
+  # low_confidence_static | low_confidence_dynamic (every position above `threshold`).
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
-      block_length=32, temperature=0.9, remasking="low_confidence"))
+      block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9))
 
   c.objective = ml_collections.ConfigDict(dict(
       name="stabledrl",
@@ -67,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
       spg=ml_collections.ConfigDict(dict(surrogate="sandwich", omega=0.5, eubo_beta=1.5)),
       wd1=ml_collections.ConfigDict(),
   ))
+  # For SDAR the methods are block estimators (rl_loss's docstring): elbo and block_random the
+  # block ELBO, mean_field whole blocks masked; block_length, prompt_mask_prob and schedule
+  # do not apply.
   c.estimator = ml_collections.ConfigDict(dict(
       method="",  # '' = the objective's own (see _DEFAULT_METHOD)
       num_samples=2,
@@ -106,19 +118,13 @@ def from_file(path: str | os.PathLike[str]) -> ml_collections.ConfigDict:
   return module.get_config()
 
 
-def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
-  """The paper's LLaDA-8B-Instruct setting (SPEC section 8) for ``task``.
-
-  Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
-  """
+def _paper_setting(task: str, learning_rate: float) -> ml_collections.ConfigDict:
+  """The paper's RL setting (SPEC section 8) for ``task``, before the model is chosen."""
   c = base_config()  # seed 113, StableDRL with the SPG sandwich, ratio clip 5, no KL.
-  c.model.update(name="llada_8b", checkpoint="/path/to/LLaDA-8B-Instruct", dtype="bfloat16",
-                 param_dtype="bfloat16", remat=True)
-  c.tokenizer.update(kind="llada", path="/path/to/LLaDA-8B-Instruct/tokenizer.json")
   c.task.update(name=task, with_instruction=True)
   c.data.update(train="hub", eval="hub", train_size=0, eval_size=0)
-  c.rollout.update(num_prompts=32, group_size=16, prompt_length=256, gen_length=256, steps=128,
-                   block_length=32, temperature=0.9)
+  c.rollout.update(num_prompts=32, group_size=16, prompt_length=256, gen_length=256,
+                   temperature=0.9)
   c.estimator.update(method="block_random", num_samples=2, block_length=32,
                      prompt_mask_prob=0.15)
   c.optimizer.update(learning_rate=learning_rate, schedule="linear", grad_clip=0.2,
@@ -127,6 +133,37 @@ def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict
   c.eval.update(every_steps=100, batch_size=64, steps=0)
   c.checkpoint.update(every_steps=50, max_to_keep=3)
   c.mesh.update(data=1, fsdp=-1, tensor=1)
+  return c
+
+
+def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
+  """The paper's LLaDA-8B-Instruct setting (SPEC section 8) for ``task``.
+
+  Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
+  """
+  c = _paper_setting(task, learning_rate)
+  c.model.update(name="llada_8b", checkpoint="/path/to/LLaDA-8B-Instruct", dtype="bfloat16",
+                 param_dtype="bfloat16", remat=True)
+  c.tokenizer.update(kind="llada", path="/path/to/LLaDA-8B-Instruct/tokenizer.json")
+  c.rollout.update(steps=128, block_length=32)
+  return c
+
+
+def sdar8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
+  """The paper's RL setting on SDAR-8B-Chat (block diffusion, block size 4) for ``task``.
+
+  The same RL hyperparameters as ``llada8b_config``; rollouts decode SDAR's way (its
+  ``generate.py`` defaults): blocks of the model's size, at most one step per token (256 over
+  the 256-token completion, 4 per block), revealing every position whose confidence passes
+  0.9 (``low_confidence_dynamic``). ``block_random`` becomes the block ELBO (``rl_loss``).
+  Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
+  """
+  c = _paper_setting(task, learning_rate)
+  c.model.update(family="sdar", name="sdar_8b", checkpoint="/path/to/SDAR-8B-Chat",
+                 dtype="bfloat16", param_dtype="bfloat16", remat=True)
+  c.tokenizer.update(kind="sdar", path="/path/to/SDAR-8B-Chat/tokenizer.json")
+  c.rollout.update(steps=256, block_length=4, remasking="low_confidence_dynamic",
+                   threshold=0.9)
   return c
 
 
@@ -144,23 +181,61 @@ def estimator_method(config: ml_collections.ConfigDict) -> str:
                                                      objective_level(config))]
 
 
+def check_block_layout(config: ml_collections.ConfigDict, block_size: int) -> None:
+  """A block diffusion model's rollouts fit its blocks, which are fixed by absolute position.
+
+  The left-padded prompt and the completion must fill whole blocks (so that the sampler and the
+  block estimators see the same blocks, and no block mixes prompt and completion), and
+  ``rollout.steps`` must split evenly over the completion's blocks.
+  """
+  r = config.rollout
+  for field in ("prompt_length", "gen_length"):
+    _require(r[field] % block_size == 0, f"rollout.{field}",
+             f"{r[field]} is not a multiple of the model's block_size={block_size} (SDAR blocks "
+             f"are fixed by absolute position: prompt and completion must fill whole blocks)")
+  num_blocks = r.gen_length // block_size
+  _require(r.steps % num_blocks == 0, "rollout.steps",
+           f"{r.steps} is not a multiple of the number of completion blocks ({num_blocks} of "
+           f"the model's block_size={block_size})")
+
+
+def _validate_model(config: ml_collections.ConfigDict) -> tuple[model_family.Family, int | None]:
+  """model.family, model.name and model.overrides; returns the family and its block size.
+
+  The block size is None for full attention, and for a checkpoint (known once it is loaded).
+  """
+  family = model_family.get(config.model.family)
+  model_family.resolve_overrides(family, dict(config.model.overrides))
+  if config.model.checkpoint:
+    return family, None
+  _require(config.model.name in family.config_names, "model.name",
+           f"{config.model.name!r} is not a {family.name} config; choose from "
+           f"{family.config_names} (or set model.family)")
+  return family, model_family.named_block_size(config)
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
   """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
   name = config.objective.name
   _require(name in OBJECTIVE_NAMES, "objective.name", f"{name!r} is not one of {OBJECTIVE_NAMES}")
+  family, block_size = _validate_model(config)
   r = config.rollout
   for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
                 "block_length"):
     _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
              f"must be a positive integer, got {r[field]!r}")
-  _require(r.gen_length % r.block_length == 0, "rollout.gen_length",
-           f"{r.gen_length} is not a multiple of rollout.block_length={r.block_length}")
-  num_blocks = r.gen_length // r.block_length
-  _require(r.steps % num_blocks == 0, "rollout.steps",
-           f"{r.steps} is not a multiple of the number of blocks ({num_blocks})")
+  if family.name == "llada":  # Semi-autoregressive blocks of the completion.
+    _require(r.gen_length % r.block_length == 0, "rollout.gen_length",
+             f"{r.gen_length} is not a multiple of rollout.block_length={r.block_length}")
+    num_blocks = r.gen_length // r.block_length
+    _require(r.steps % num_blocks == 0, "rollout.steps",
+             f"{r.steps} is not a multiple of the number of blocks ({num_blocks})")
+  elif block_size is not None:  # A checkpoint's is checked when it is loaded.
+    check_block_layout(config, block_size)
   _require(r.temperature >= 0, "rollout.temperature", f"must be >= 0, got {r.temperature}")
-  _require(r.remasking in ("low_confidence", "random"), "rollout.remasking",
-           f"{r.remasking!r} is not 'low_confidence' or 'random'")
+  _require(r.remasking in family.remasking, "rollout.remasking",
+           f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
+  _require(0 < r.threshold <= 1, "rollout.threshold", f"must lie in (0, 1], got {r.threshold}")
   if name == "grpo":
     _require(config.objective.grpo.level in ("token", "sequence"), "objective.grpo.level",
              f"{config.objective.grpo.level!r} is not 'token' or 'sequence'")
@@ -217,8 +292,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
-  _require(config.tokenizer.kind in ("char", "llada"), "tokenizer.kind",
-           f"{config.tokenizer.kind!r} is not 'char' or 'llada'")
+  _require(config.tokenizer.kind in ("char", "llada", "sdar"), "tokenizer.kind",
+           f"{config.tokenizer.kind!r} is not 'char', 'llada' or 'sdar'")
   if num_devices is not None:
     from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
     try:
@@ -232,32 +307,23 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"split over data x fsdp = {ways} devices")
 
 
-def model_overrides(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
-  """ModelConfig fields of a fresh ``model.name``: its overrides, dtypes, remat, tokenizer ids.
-
-  A character tokenizer defines the vocabulary, so its size and special ids replace the named
-  config's.
-  """
-  overrides = dict(config.model.overrides)
-  overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                   remat=config.model.remat)
-  if config.tokenizer.kind == "char":
-    overrides.update(vocab_size=tokenizer.vocab_size, embedding_size=tokenizer.vocab_size,
-                     mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
-  return overrides
-
-
 def num_microbatches(config: ml_collections.ConfigDict) -> int:
   groups = config.train.microbatch_groups or config.rollout.num_prompts
   return config.rollout.num_prompts // groups
 
 
-def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int) -> rl_loss.LikelihoodSpec:
-  """The static estimator settings of the configured objective."""
+def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
+                    block_size: int | None = None) -> rl_loss.LikelihoodSpec:
+  """The static estimator settings of the configured objective.
+
+  ``block_size``: that of a block diffusion model (its estimators: see ``rl_loss``), or None.
+  """
   name = config.objective.name
   method = estimator_method(config)
   e = config.estimator
-  if method == "mean_field":
+  if block_size is not None:  # The block ELBO takes only `coupled`; its mean field nothing.
+    options = {} if method == "mean_field" else {"coupled": e.coupled}
+  elif method == "mean_field":
     options = {"prompt_mask_prob": e.prompt_mask_prob}
   elif method == "elbo":
     options = {"schedule": e.schedule, "coupled": e.coupled}
@@ -273,7 +339,7 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int) -> rl_loss.
       method=method, num_samples=e.num_samples,
       normalize=e.normalize or losses.get_objective(name).normalize,
       token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
-      options=tuple(sorted(options.items())), stress_rates=stress_rates)
+      options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size)
 
 
 def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -285,3 +351,5 @@ def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any
   if name == "espo":
     hparams["gen_length"] = config.rollout.gen_length
   return tuple(sorted(hparams.items()))
+
+

@@ -17,12 +17,16 @@ from stabledrl_jax import tasks, tokenizers
 
 
 def make_tokenizer(config: ml_collections.ConfigDict):
-  """``config.tokenizer``: kind 'char' (with ``alphabet``) or 'llada' (``path`` to tokenizer.json)."""
+  """``config.tokenizer``: kind 'char' (with ``alphabet``), 'llada' or 'sdar' (``path`` to
+  tokenizer.json)."""
   if config.kind == "char":
     return tokenizers.CharTokenizer(config.alphabet or tokenizers.DEFAULT_ALPHABET)
   if config.kind == "llada":
     return tokenizers.HFTokenizer.llada(config.path)
-  raise ValueError(f"config.tokenizer.kind must be 'char' or 'llada', got {config.kind!r}.")
+  if config.kind == "sdar":
+    return tokenizers.HFTokenizer.sdar(config.path)
+  raise ValueError(f"config.tokenizer.kind must be 'char', 'llada' or 'sdar', got "
+                   f"{config.kind!r}.")
 
 
 def format_prompt(tokenizer, task: tasks.Task, example: tasks.Example, *,

@@ -2,6 +2,24 @@
 
 Pure functions of (logits function, arrays, PRNG key, static specs). The model
 enters only through ``logits_fn``; the trainer supplies it from NNX parameters.
+
+A block diffusion model (SDAR; ``LikelihoodSpec.block_size`` set) is scored by
+the block estimators of ``block_estimators.py``, ``logits_fn`` being its
+staircase function. The estimator names keep their meaning by analogy:
+
+* 'elbo': the block ELBO, every block scored in one staircase pass (count form).
+* 'block_random': the same. SPG's block_random scores one random block, the earlier
+  ones clean and a uniform count masked inside it; for a model whose blocks are
+  fixed, averaging over the choice of block gives exactly the block ELBO, which
+  scores all of them in the same pass.
+* 'mean_field': every completion block fully masked, each token scored given the
+  clean blocks before its own (one row; deterministic). These are the per-token
+  log-probs of token-level GRPO (d1) for a block model, and their sum is the
+  sequence-level mean-field proxy (wd1).
+
+Prompt tokens are never masked for a block model (they condition every block
+through the clean stream), and ``schedule`` / ``block_length`` /
+``prompt_mask_prob`` do not apply.
 """
 
 from __future__ import annotations
@@ -13,7 +31,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import estimators, losses
+from stabledrl_jax import block_estimators, estimators, losses
+from stabledrl_jax.training import model_family
 
 Array = jax.Array
 
@@ -57,6 +76,8 @@ class LikelihoodSpec:
     options: sorted (name, value) pairs for the estimator's mask sampler.
     stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
       (numerator) and "hard" (denominator) masks; None: no stress test.
+    block_size: the block size of a block diffusion model, whose likelihoods are
+      block estimates (see the module docstring); None: a full-attention model.
   """
 
   method: str
@@ -67,21 +88,60 @@ class LikelihoodSpec:
   mask_id: int
   options: tuple[tuple[str, Any], ...] = ()
   stress_rates: tuple[float, float] | None = None
+  block_size: int | None = None
 
 
 def model_logits_fn(model: Callable[..., Array],
-                    attention_mask: Array) -> Callable[[Array], Array]:
-  """tokens [R * B, L] -> logits, the [B, L] attention mask tiled over the R mask rows."""
+                    attention_mask: Array) -> Callable[..., Array]:
+  """The model as ``estimate`` sees it, the [B, L] attention mask bound.
 
-  def logits_fn(tokens):
-    rows = tokens.shape[0] // attention_mask.shape[0]
-    return model(tokens, attention_mask=jnp.tile(attention_mask, (rows, 1)))
+  Full attention (LLaDA): tokens [R * B, L] -> logits, the mask tiled over the R
+  mask rows. Block diffusion (SDAR): its staircase function. See ``model_family``.
+  """
+  return model_family.likelihood_fn(model, attention_mask)
 
-  return logits_fn
+
+def _block_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
+                 stress_mode: str | None) -> block_estimators.BlockMaskSample:
+  """``estimator_masks`` of a block diffusion model: block ELBO or block mean-field masks.
+
+  Stress test, per block of L_j completion tokens: "easy" masks only the last
+  ceil(easy_rate L_j), "hard" the first ceil(hard_rate L_j) (all of them at rate 1).
+  """
+  if spec.method == "mean_field":
+    masks = block_estimators.fixed_block_masks(batch.completion_mask, block_size=spec.block_size)
+  else:
+    masks = block_estimators.sample_block_masks(
+        key, batch.completion_mask, block_size=spec.block_size, num_samples=spec.num_samples,
+        **dict(spec.options))
+  if stress_mode is not None and spec.stress_rates is not None:
+    easy = stress_mode == "easy"
+    stress = block_estimators.fixed_block_masks(
+        batch.completion_mask, block_size=spec.block_size,
+        rate=spec.stress_rates[0] if easy else spec.stress_rates[1],
+        position="tail" if easy else "head", num_samples=masks.num_rows)
+    masks = estimators.select_masks(batch.stressed, stress, masks)
+  return masks
+
+
+def _logp_and_eubo(details: estimators.Estimate | block_estimators.BlockEstimate,
+                   spec: LikelihoodSpec) -> tuple[Array, Array | None]:
+  """What ``estimate`` returns, from the scored masks and their token log-probs."""
+  if spec.token_level:
+    scored = details.masks.scored.astype(jnp.float32)
+    hits = jnp.sum(scored, axis=0)
+    logp = jnp.sum(scored * details.token_logp, axis=0) / jnp.maximum(hits, 1.0)
+  else:
+    logp = details.value
+  eubo = None
+  if spec.eubo_beta is not None:
+    eubo = estimators.eubo_from_samples(details.token_logp, details.masks, beta=spec.eubo_beta)
+  return logp, eubo
 
 
 def estimator_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
-                    stress_mode: str | None = None) -> estimators.MaskSample:
+                    stress_mode: str | None = None
+                    ) -> estimators.MaskSample | block_estimators.BlockMaskSample:
   """The masks of one estimate: fresh ones from ``key``, or stress-test ones.
 
   Args:
@@ -89,7 +149,12 @@ def estimator_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
       l_old): with ``spec.stress_rates`` set, the ``batch.stressed`` samples
       get the stress test's biased masks of that mode instead of fresh ones.
       None: fresh masks for every sample.
+
+  Returns:
+    [R, B, L] masks; block masks for a block diffusion model (``spec.block_size``).
   """
+  if spec.block_size is not None:
+    return _block_masks(batch, key, spec, stress_mode)
   masks = estimators.sample_masks(key, batch.prompt_mask, batch.completion_mask,
                                   method=spec.method, num_samples=spec.num_samples,
                                   **dict(spec.options))
@@ -107,6 +172,7 @@ def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Arra
   """Likelihood estimates of the batch's completions.
 
   Args:
+    logits_fn: the model as ``model_logits_fn`` gives it.
     key: draws the masks (see ``estimator_masks``); unused when ``masks`` is given.
     stress_mode: see ``estimator_masks``.
     masks: score these masks instead.
@@ -117,20 +183,17 @@ def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Arra
   """
   if masks is None:
     masks = estimator_masks(batch, key, spec, stress_mode)
-  details = estimators.estimate_logp(
-      logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
-      method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize, masks=masks,
-      return_details=True)
-  if spec.token_level:
-    scored = details.masks.scored.astype(jnp.float32)
-    hits = jnp.sum(scored, axis=0)
-    logp = jnp.sum(scored * details.token_logp, axis=0) / jnp.maximum(hits, 1.0)
+  if spec.block_size is not None:  # logits_fn is the model's staircase function.
+    details = block_estimators.estimate_block_elbo(
+        logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
+        mask_id=spec.mask_id, block_size=spec.block_size, normalize=spec.normalize, masks=masks,
+        attention_mask=batch.attention_mask, return_details=True)
   else:
-    logp = details.value
-  eubo = None
-  if spec.eubo_beta is not None:
-    eubo = estimators.eubo_from_samples(details.token_logp, details.masks, beta=spec.eubo_beta)
-  return logp, eubo
+    details = estimators.estimate_logp(
+        logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
+        method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize, masks=masks,
+        return_details=True)
+  return _logp_and_eubo(details, spec)
 
 
 def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array, *,

@@ -1,9 +1,17 @@
-"""Supervised masked-diffusion fitting (LLaDA's SFT objective), for warm starts.
+"""Supervised diffusion fitting (LLaDA's and SDAR's SFT objectives), for warm starts.
 
 Loss per sequence: the negative sum-form ELBO of the completion divided by its
-length, ``-(1/L) (1/t) sum_{masked} log p(y_i | z_t)``, with t ~ U(0, 1] and
-at least one masked token (``estimators`` 'elbo' masks). The completion
-includes the EOS padding, so the model learns where answers end.
+length, one Monte Carlo sample, through ``rl_loss.estimate`` (so for either model
+family):
+
+* LLaDA: ``-(1/L) (1/t) sum_{masked} log p(y_i | z_t)``, with t ~ U(0, 1] and at
+  least one masked token (``estimators`` 'elbo' masks).
+* SDAR (block diffusion): in every block, m_j ~ U{1..L_j} of its completion tokens
+  masked, ``-(1/L) sum_j (L_j / m_j) sum_{masked in j} log p(y_i | z_<j, z_t of block j)``:
+  each block denoised given the clean blocks before it, all blocks in one staircase
+  pass (``block_estimators``), as SDAR is trained.
+
+The completion includes the EOS padding, so the model learns where answers end.
 """
 
 from __future__ import annotations
@@ -18,8 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from stabledrl_jax import estimators
-from stabledrl_jax.training import rl_loss
+from stabledrl_jax.training import model_family, rl_loss
 
 Array = jax.Array
 
@@ -31,9 +38,14 @@ def sft_loss(model: nnx.Module, tokens: Array, prompt_mask: Array, completion_ma
   Left padding (neither prompt nor completion) is hidden from attention.
   """
   attention_mask = prompt_mask | completion_mask
-  elbo = estimators.estimate_logp(
-      rl_loss.model_logits_fn(model, attention_mask), tokens, prompt_mask, completion_mask, key,
-      method="elbo", mask_id=mask_id, normalize="sum")
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=1, normalize="sum", token_level=False,
+                                eubo_beta=None, mask_id=mask_id,
+                                block_size=model_family.block_size(model.config))
+  zeros = jnp.zeros(tokens.shape[:1], jnp.float32)
+  batch = rl_loss.RolloutBatch(tokens=tokens, prompt_mask=prompt_mask,
+                               completion_mask=completion_mask, attention_mask=attention_mask,
+                               advantages=zeros, old_logp=zeros, ref_logp=zeros)
+  elbo, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, attention_mask), batch, key, spec)
   lengths = jnp.maximum(jnp.sum(completion_mask, axis=-1), 1)
   return -jnp.mean(elbo / lengths)
 

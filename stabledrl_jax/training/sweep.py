@@ -32,6 +32,16 @@ OBJECTIVE_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def select_objectives(names: list[str] | None) -> list[str]:
+  """``names`` (None: every variant), checked against ``OBJECTIVE_VARIANTS``."""
+  if not names:
+    return list(OBJECTIVE_VARIANTS)
+  unknown = sorted(set(names) - set(OBJECTIVE_VARIANTS))
+  if unknown:
+    raise ValueError(f"unknown objectives {unknown}; known: {list(OBJECTIVE_VARIANTS)}")
+  return list(names)
+
+
 def with_overrides(config: ml_collections.ConfigDict,
                    overrides: dict[str, Any]) -> ml_collections.ConfigDict:
   """A copy of ``config`` with ``{"a.b.c": value}`` fields set (each must exist)."""

@@ -13,6 +13,10 @@ One RL step:
 
 The step's PRNG key is ``fold_in(run_key, step)``; with the data-iterator
 state in the checkpoint, a resumed run repeats the uninterrupted one exactly.
+
+The loop is the same for every model family (``config.model.family``): the
+sampler, the model's likelihood function and the model config come from
+``model_family``, the estimators from ``rl_loss`` by the spec's block size.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from flax import nnx
 
 from stabledrl_jax import estimators, losses, models, sampling, tasks
 from stabledrl_jax.training import checkpointing, config_lib, data, mesh as mesh_lib
-from stabledrl_jax.training import metrics_writer, optimizer as optimizer_lib, rl_loss
-from stabledrl_jax.training import supervised, train_step
+from stabledrl_jax.training import metrics_writer, model_family, optimizer as optimizer_lib
+from stabledrl_jax.training import rl_loss, supervised, train_step
 
 SFT_DIR = "sft_model"
 # Folded into the step key for the stress selection, so that the other keys stay as they were.
@@ -43,24 +47,40 @@ class TooManySkipsError(RuntimeError):
   """Raised after ``train.max_consecutive_skips`` non-finite updates in a row."""
 
 
-def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LLaDA:
-  """A checkpoint (``model.checkpoint``), else a fresh model of ``model.name``."""
-  if config.model.checkpoint:
-    return models.from_pretrained(config.model.checkpoint, mesh=mesh,
-                                  dtype=jnp.dtype(config.model.param_dtype),
-                                  remat=config.model.remat)
-  model_config = models.get_config(config.model.name,
-                                   **config_lib.model_overrides(config, tokenizer))
-  return models.init_model(model_config, seed=config.seed, mesh=mesh)
+def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LLaDA | models.SDAR:
+  """A checkpoint (``model.checkpoint``), else a fresh model of ``model.family``/``model.name``.
+
+  Raises ValueError if the checkpoint is not of ``model.family``, or if its block size does
+  not fit the rollout layout.
+  """
+  if not config.model.checkpoint:
+    model_config = model_family.model_config(config, tokenizer)
+    return models.init_model(model_config, seed=config.seed, mesh=mesh)
+  model = models.from_pretrained(config.model.checkpoint, mesh=mesh,
+                                 dtype=jnp.dtype(config.model.param_dtype),
+                                 remat=config.model.remat)
+  return _check_loaded(config, model, config.model.checkpoint)
 
 
-def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: models.LLaDA,
-                     tokenizer, task: tasks.Task, train_examples, mesh,
-                     log) -> models.LLaDA:
+def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: str) -> nnx.Module:
+  """A loaded model is of ``model.family`` and, for block diffusion, fits the rollout layout."""
+  found = model_family.of(model).name
+  if found != config.model.family:
+    raise ValueError(f"config.model.family: {config.model.family!r}, but {path} holds a "
+                     f"{found} model")
+  block_size = model_family.block_size(model.config)
+  if block_size is not None:
+    config_lib.check_block_layout(config, block_size)
+  return model
+
+
+def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: nnx.Module,
+                     tokenizer, task: tasks.Task, train_examples, mesh, log) -> nnx.Module:
   """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``."""
   path = os.path.join(workdir, SFT_DIR)
   if os.path.exists(os.path.join(path, "config.json")):
-    return models.from_pretrained(path, mesh=mesh, dtype=jnp.dtype(config.model.param_dtype))
+    return _check_loaded(config, models.from_pretrained(
+        path, mesh=mesh, dtype=jnp.dtype(config.model.param_dtype)), path)
   rollout = config.rollout
   rng = np.random.default_rng(config.seed)
 
@@ -132,7 +152,8 @@ class Trainer:
       self.start_step = int(state.step)
     self.state = state
 
-    self.spec = config_lib.likelihood_spec(config, self.model_config.mask_token_id)
+    self.spec = config_lib.likelihood_spec(config, self.model_config.mask_token_id,
+                                           block_size=model_family.block_size(self.model_config))
     objective = losses.get_objective(config.objective.name)
     self.needs_old = "old_logp" in objective.requires
     # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
@@ -167,12 +188,10 @@ class Trainer:
 
   def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
                temperature: float, steps: int) -> np.ndarray:
-    r = self.config.rollout
-    tokens = sampling.generate(
-        self._model(params), jax.device_put(prompt_tokens, self.batch_sharding), key=key,
-        gen_length=r.gen_length, steps=steps, block_length=r.block_length,
-        temperature=temperature, remasking=r.remasking,
-        prompt_mask=jax.device_put(prompt_mask, self.batch_sharding))
+    tokens = model_family.generate(
+        self._model(params), jax.device_put(prompt_tokens, self.batch_sharding),
+        jax.device_put(prompt_mask, self.batch_sharding), key, rollout=self.config.rollout,
+        temperature=temperature, steps=steps)
     return np.asarray(tokens)
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, advantages: np.ndarray,
