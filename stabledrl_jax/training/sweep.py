@@ -44,14 +44,17 @@ def select_objectives(names: list[str] | None) -> list[str]:
 
 def with_overrides(config: ml_collections.ConfigDict,
                    overrides: dict[str, Any]) -> ml_collections.ConfigDict:
-  """A copy of ``config`` with ``{"a.b.c": value}`` fields set (each must exist)."""
+  """A copy of ``config`` with ``{"a.b.c": value}`` fields set.
+
+  Each field must exist, except under ``model.overrides``, which holds any ModelConfig field.
+  """
   config = config.copy_and_resolve_references()
   for field, value in overrides.items():
     *path, name = field.split(".")
     node = config
     for part in path:
       node = node[part]
-    if name not in node:
+    if name not in node and path != ["model", "overrides"]:
       raise KeyError(f"config has no field {field!r}")
     node[name] = value
   return config
