@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -143,6 +144,21 @@ def test_workdir_is_read_at_its_latest_or_chosen_step(tmp_path, workdir):
   assert written["settings"]["prompt"]["with_instruction"] is False
   held_out = data.make_examples(latest.config, "eval")
   assert [r["question"] for r in written["generations"]] == [ex.question for ex in held_out][:2]
+
+
+def test_a_workdir_from_before_a_config_field_existed_still_loads(tmp_path, workdir):
+  """Fields added to the config since the run (here model.family) take their defaults."""
+  path, saved = workdir
+  old = tmp_path / "old-run"
+  shutil.copytree(path, old)
+  config = json.loads((old / "config.json").read_text())
+  del config["model"]["family"]
+  (old / "config.json").write_text(json.dumps(config))
+  source = checkpoint_source.resolve(str(old))
+  assert source.config.model.family == "llada"
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)))
+  model = checkpoint_source.load_model(source, mesh=mesh, dtype=np.float32)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), saved[2])
 
 
 def test_the_supervised_start_of_a_workdir_takes_the_workdir_tokenizer(tmp_path, workdir):

@@ -26,7 +26,7 @@ from flax import nnx
 
 from stabledrl_jax import models, tokenizers
 from stabledrl_jax.models import hf_io
-from stabledrl_jax.training import checkpointing, data, model_family, trainer
+from stabledrl_jax.training import checkpointing, config_lib, data, model_family, trainer
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
@@ -88,7 +88,10 @@ def _training_config(path: str) -> ml_collections.ConfigDict | None:
     return None
   if not isinstance(config, dict) or "tokenizer" not in config or "model" not in config:
     return None
-  return ml_collections.ConfigDict(config)
+  # Over the current defaults: a workdir written before a field existed gets its default.
+  merged = config_lib.base_config()
+  merged.update(config)
+  return merged
 
 
 def resolve(path: str, step: int | None = None) -> CheckpointSource:
