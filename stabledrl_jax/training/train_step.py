@@ -96,19 +96,17 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1.
   """
 
+  def logits_fn_of(params, attention_mask):
+    return rl_loss.model_logits_fn(nnx.merge(graphdef, params), attention_mask)
+
   def loss_fn(params, micro, micro_key):
-    model = nnx.merge(graphdef, params)
-    logits_fn = rl_loss.model_logits_fn(model, micro.attention_mask)
-    return rl_loss.objective_loss(logits_fn, micro, micro_key, spec=spec, objective=objective,
-                                  hparams=hparams, group_size=group_size,
-                                  use_reference=use_reference)
+    return rl_loss.objective_loss(logits_fn_of(params, micro.attention_mask), micro, micro_key,
+                                  spec=spec, objective=objective, hparams=hparams,
+                                  group_size=group_size, use_reference=use_reference)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   micro = _split_microbatches(batch, num_microbatches, group_size)
   keys = jax.random.split(key, num_microbatches)
-
-  def logits_fn_of(params, attention_mask):
-    return rl_loss.model_logits_fn(nnx.merge(graphdef, params), attention_mask)
 
   def accumulate(grads, inputs):
     mb, mb_key = inputs
