@@ -53,7 +53,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
-      block_length=32, temperature=0.9, remasking="low_confidence"))
+      block_length=32, temperature=0.9,
+      # low_confidence | random (LLaDA's fixed schedule of `steps`) | threshold (reveal every
+      # token with confidence above `threshold`, at least one per step; `steps` unused).
+      remasking="low_confidence", threshold=0.9))
 
   c.objective = ml_collections.ConfigDict(dict(
       name="stabledrl",
@@ -159,8 +162,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(r.steps % num_blocks == 0, "rollout.steps",
            f"{r.steps} is not a multiple of the number of blocks ({num_blocks})")
   _require(r.temperature >= 0, "rollout.temperature", f"must be >= 0, got {r.temperature}")
-  _require(r.remasking in ("low_confidence", "random"), "rollout.remasking",
-           f"{r.remasking!r} is not 'low_confidence' or 'random'")
+  _require(r.remasking in ("low_confidence", "random", "threshold"), "rollout.remasking",
+           f"{r.remasking!r} is not 'low_confidence', 'random' or 'threshold'")
+  _require(0 <= r.threshold <= 1, "rollout.threshold", f"must lie in [0, 1], got {r.threshold}")
   if name == "grpo":
     _require(config.objective.grpo.level in ("token", "sequence"), "objective.grpo.level",
              f"{config.objective.grpo.level!r} is not 'token' or 'sequence'")

@@ -71,11 +71,12 @@ class LikelihoodSpec:
 
 def model_logits_fn(model: Callable[..., Array],
                     attention_mask: Array) -> Callable[[Array], Array]:
-  """tokens [R * B, L] -> logits, the [B, L] attention mask tiled over the R mask rows."""
+  """tokens [B * R, L] -> logits, the [B, L] attention mask repeated for each sequence's R rows
+  (``estimators.token_logprobs`` orders the rows sequence-major)."""
 
   def logits_fn(tokens):
     rows = tokens.shape[0] // attention_mask.shape[0]
-    return model(tokens, attention_mask=jnp.tile(attention_mask, (rows, 1)))
+    return model(tokens, attention_mask=jnp.repeat(attention_mask, rows, axis=0))
 
   return logits_fn
 
