@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,20 +40,14 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import block_estimators as be
-from stabledrl_jax import models
+from stabledrl_jax import models, profiling
 from stabledrl_jax.block_sampling import generate
 
 
 def timed(fns: dict, repeats: int) -> tuple[dict, dict]:
   """Warm each function up (compiles), then time them in turn; returns (outputs, best seconds)."""
-  outputs = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}
-  best = {name: float("inf") for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      best[name] = min(best[name], time.perf_counter() - start)
-  return outputs, best
+  timings = profiling.time_interleaved(fns, repeats)
+  return timings.outputs, timings.best
 
 
 def bench_config(name: str, args) -> dict:

@@ -21,15 +21,14 @@ turns so that they see the same load; the first call (compilation) is reported s
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import models
-from stabledrl_jax.sampling import generate, num_transfer_tokens
+from stabledrl_jax import models, profiling
+from stabledrl_jax.sampling import categorical, generate, num_transfer_tokens
 
 
 def naive_generate(forward, prompt, *, mask_id, gen_length, steps, block_length, temperature,
@@ -86,10 +85,10 @@ def make_step_fn(model, *, mask_id, block_length, temperature):
     model = nnx.merge(graphdef, state)
     hidden = model.encode(x, span=(lo, block_length))
     logits = model.unembed(hidden).astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
-    noisy = logits
     if temperature > 0:
-      noisy = logits + temperature * jax.random.gumbel(key, logits.shape)
-    x0 = jnp.argmax(noisy, axis=-1)
+      x0 = categorical(key, logits, temperature)
+    else:
+      x0 = jnp.argmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, x0[..., None], -1)[..., 0]
     p = jnp.exp(chosen - jax.nn.logsumexp(logits, axis=-1))
     block = jax.lax.dynamic_slice_in_dim(x, lo, block_length, axis=1)
@@ -105,18 +104,10 @@ def make_step_fn(model, *, mask_id, block_length, temperature):
 def run_interleaved(fns, repeats):
   """Warm each function up (compiles), then time them in turn `repeats` times, so that all see
   the same machine load; returns their outputs, first-call overheads and best times."""
-  outputs, first = [], []
-  for fn in fns:
-    start = time.perf_counter()
-    outputs.append(np.asarray(jax.block_until_ready(fn())))
-    first.append(time.perf_counter() - start)
-  best = [float("inf")] * len(fns)
-  for _ in range(repeats):
-    for i, fn in enumerate(fns):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      best[i] = min(best[i], time.perf_counter() - start)
-  return outputs, [f - b for f, b in zip(first, best)], best
+  timings = profiling.time_interleaved(dict(enumerate(fns)), repeats)
+  best = [timings.best[i] for i in range(len(fns))]
+  outputs = [np.asarray(timings.outputs[i]) for i in range(len(fns))]
+  return outputs, [timings.first_call[i] - b for i, b in enumerate(best)], best
 
 
 def main():

@@ -11,8 +11,9 @@ Each block starts as mask tokens and is denoised in at most `steps` steps. One s
 
 1. logits of the block (the model sees the cache of the finished blocks and the block itself);
    the mask token is never predicted;
-2. x0 = argmax(logits / T + g), g ~ Gumbel(0, 1), i.e. a sample of softmax(logits / T)
-   (T = 0: argmax); confidence = that distribution's probability of x0 (SDAR's x0_p);
+2. x0 ~ softmax(logits / T) (`sampling.categorical`: the law of SDAR's Gumbel-max draw, one
+   uniform per position; T = 0: argmax); confidence = that distribution's probability of x0
+   (SDAR's x0_p);
 3. among the still-masked positions of the block, reveal
    * `low_confidence_static`: the n_s most confident, n_s from the even schedule over the steps
      (`sampling.num_transfer_tokens`: a block with n masked tokens and s steps reveals n // s per
@@ -48,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.sampling import check_prompts, num_transfer_tokens
+from stabledrl_jax.sampling import categorical, check_prompts, num_transfer_tokens
 
 Array = jax.Array
 
@@ -75,7 +76,7 @@ def _fill_after_stop(completion: Array, stop_ids: Array, eos_id: int) -> Array:
 def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | None, key: Array, *,
               gen_length: int, steps: int, temperature: float, remasking: str, threshold: float,
               stop_at_eos: bool, stop_ids: tuple[int, ...],
-              use_cache: bool) -> tuple[Array, Array]:
+              use_cache: bool) -> tuple[Array, Array, dict[str, Array]]:
   model = nnx.merge(graphdef, state)
   config = model.config
   bs, mask_id = config.block_size, config.mask_token_id
@@ -118,9 +119,8 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     start = block * bs
     logits = block_logits(tokens, current, start, cache)
     if temperature > 0:
-      logits = logits / temperature
-      gumbel = jax.random.gumbel(noise_key, logits.shape, jnp.float32)
-      x0 = jnp.argmax(logits + gumbel, axis=-1)
+      x0 = categorical(noise_key, logits, temperature)
+      logits = logits / temperature  # The confidence is the sampled distribution's.
     else:
       x0 = jnp.argmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]
@@ -135,10 +135,11 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
       reveal_now = jnp.where(enough, confident, reveal_now)
     current = jnp.where(reveal_now, x0.astype(current.dtype), current)
     reveal = jnp.where(reveal_now, global_step, reveal)
-    return current, reveal
+    # The loop runs until the slowest row is done; a row counts the calls it still needed.
+    return current, reveal, jnp.any(masked, axis=1).astype(jnp.int32)
 
   def run_block(carry):
-    block, tokens, cache, done, reveal_step = carry
+    block, tokens, cache, done, reveal_step, calls = carry
     start = block * bs
     free = (start + jnp.arange(bs) >= prompt_len)[None, :]  # positions the sampler may write
     current = jax.lax.dynamic_slice_in_dim(tokens, start, bs, axis=1)
@@ -148,44 +149,46 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     reveal = jax.lax.dynamic_slice_in_dim(reveal_step, start, bs, axis=1)
 
     def keep_denoising(inner):
-      i, current, _ = inner
+      i, current, _, _ = inner
       return (i < steps) & jnp.any((current == mask_id) & free)
 
     def denoise(inner):
-      i, current, reveal = inner
-      current, reveal = step(block, i, schedule, free, current, reveal, tokens, cache)
-      return i + 1, current, reveal
+      i, current, reveal, calls = inner
+      current, reveal, called = step(block, i, schedule, free, current, reveal, tokens, cache)
+      return i + 1, current, reveal, calls + called
 
-    _, current, reveal = jax.lax.while_loop(keep_denoising, denoise,
-                                              (jnp.int32(0), current, reveal))
+    _, current, reveal, calls = jax.lax.while_loop(keep_denoising, denoise,
+                                                     (jnp.int32(0), current, reveal, calls))
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, current, start, axis=1)
     reveal_step = jax.lax.dynamic_update_slice_in_dim(reveal_step, reveal, start, axis=1)
     if use_cache:
       _, cache = model.extend(current, cache, commit=True)
     in_completion = free & (start + jnp.arange(bs) < end)[None, :]
     done = done | jnp.any(jnp.isin(current, stops) & in_completion, axis=1)
-    return block + 1, tokens, cache, done, reveal_step
+    return block + 1, tokens, cache, done, reveal_step, calls
 
   def keep_going(carry):
-    block, _, _, done, _ = carry
+    block, _, _, done, _, _ = carry
     return (block < num_blocks) & ~(stop_at_eos & jnp.all(done))
 
   reveal_step = jnp.full((batch, total), -1, jnp.int32)
-  init = (jnp.int32(first_block), tokens, cache, jnp.zeros(batch, bool), reveal_step)
-  _, tokens, _, _, reveal_step = jax.lax.while_loop(keep_going, run_block, init)
+  init = (jnp.int32(first_block), tokens, cache, jnp.zeros(batch, bool), reveal_step,
+          jnp.zeros(batch, jnp.int32))
+  _, tokens, _, _, reveal_step, calls = jax.lax.while_loop(keep_going, run_block, init)
   tokens, reveal_step = tokens[:, :end], reveal_step[:, prompt_len:end]
   if stop_at_eos:
     completion = _fill_after_stop(tokens[:, prompt_len:], stops, eos_id)
     completion = jnp.where(completion == mask_id, eos_id, completion)  # blocks never run
     tokens = tokens.at[:, prompt_len:].set(completion)
-  return tokens, reveal_step
+  return tokens, reveal_step, {"model_calls": calls}
 
 
 def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length: int,
              steps: int, temperature: float = 0.0, remasking: str = "low_confidence_dynamic",
              threshold: float = 0.9, prompt_mask: Array | None = None, stop_at_eos: bool = True,
              eos_token_ids: Sequence[int] | None = None, use_cache: bool = True,
-             return_reveal_step: bool = False) -> Array | tuple[Array, Array]:
+             return_reveal_step: bool = False,
+             return_stats: bool = False) -> Array | tuple[Array, ...]:
   """Sample completions block by block from a block diffusion model (SPEC sections 6 and 7).
 
   Args:
@@ -208,10 +211,13 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     use_cache: decode with the KV cache of finished blocks (True) or recompute every step.
     return_reveal_step: also return the global step (block * steps + step) at which each
       completion position was revealed (-1: filled after a stop token, never decoded).
+    return_stats: also return a dict with `model_calls` [B] int32, the denoising calls each
+      sequence needed (steps at which its current block still had a mask; the cache writes of
+      finished blocks are not counted).
 
   Returns:
     tokens [B, P + G]: the prompt untouched, then the completion. With return_reveal_step, also
-    reveal_step [B, G] int32.
+    reveal_step [B, G] int32; with return_stats, then the stats.
   """
   prompt_tokens, prompt_mask = check_prompts(prompt_tokens, prompt_mask)
   if gen_length <= 0 or steps <= 0:
@@ -225,9 +231,11 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
   if not stop_ids:
     raise ValueError("eos_token_ids must not be empty")
   graphdef, state = nnx.split(model)
-  tokens, reveal_step = _generate(
+  tokens, reveal_step, stats = _generate(
       graphdef, state, prompt_tokens.astype(jnp.int32), prompt_mask, key,
       gen_length=gen_length, steps=steps, temperature=float(temperature), remasking=remasking,
       threshold=float(threshold), stop_at_eos=bool(stop_at_eos), stop_ids=stop_ids,
       use_cache=bool(use_cache))
-  return (tokens, reveal_step) if return_reveal_step else tokens
+  out = (tokens,) + ((reveal_step,) if return_reveal_step else ()) + (
+      (stats,) if return_stats else ())
+  return out if len(out) > 1 else tokens

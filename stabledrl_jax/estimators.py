@@ -11,7 +11,7 @@ numerator and the denominator of a ratio, or replaced (stress test):
 
 1. ``sample_masks``: K Monte Carlo masks per sequence, as a :class:`MaskSample`
    (which positions are noised, which are scored, and with what weight).
-2. ``estimate_from_masks``: one forward pass over all K * B noised rows, then a
+2. ``estimate_from_masks``: one forward pass over all B * K noised rows, then a
    weighted sum of the scored token log-probs.
 
 ``estimate_logp`` does both. Methods (SPEC section 4):
@@ -315,7 +315,9 @@ def token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array,
   """log p(z_i | noised z) at every position, all rows in one forward pass.
 
   Args:
-    logits_fn: tokens [R * B, L] -> logits [R * B, L, V].
+    logits_fn: tokens [B * R, L] -> logits [B * R, L, V]; row b * R + r is the r-th noised
+      copy of sequence b (sequence-major, so that a batch split over devices stays split: each
+      device scores the samples of its own sequences).
     tokens: [B, L] clean tokens z.
     noisy: [R, B, L] bool, positions to replace by ``mask_id``.
     mask_id: the mask token id.
@@ -324,15 +326,13 @@ def token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array,
     [R, B, L] float32 log-probs of the clean tokens.
   """
   rows, batch, length = noisy.shape
-  noised = jnp.where(noisy, mask_id, tokens[None]).reshape(rows * batch, length)
-  logits = logits_fn(noised)
-  chex.assert_shape(logits, (rows * batch, length, None))
+  noised = jnp.where(jnp.swapaxes(noisy, 0, 1), mask_id, tokens[:, None])  # [B, R, L]
+  logits = logits_fn(noised.reshape(batch * rows, length))
+  chex.assert_shape(logits, (batch * rows, length, None))
   logits = logits.astype(jnp.float32)
-  picked = jnp.take_along_axis(
-      logits, jnp.broadcast_to(tokens[None], (rows, batch, length)).reshape(
-          rows * batch, length, 1), axis=-1)[..., 0]
-  logp = picked - jax.nn.logsumexp(logits, axis=-1)
-  return logp.reshape(rows, batch, length)
+  clean = jnp.repeat(tokens, rows, axis=0)[..., None]
+  logp = jnp.take_along_axis(logits, clean, axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
+  return jnp.swapaxes(logp.reshape(batch, rows, length), 0, 1)
 
 
 def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Array:

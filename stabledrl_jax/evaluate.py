@@ -59,6 +59,7 @@ class SamplerSettings:
   block_length: int = 32
   temperature: float = 0.0
   remasking: str = "low_confidence"
+  threshold: float = 0.9
   cfg_scale: float = 0.0
 
   @classmethod
@@ -69,6 +70,13 @@ class SamplerSettings:
   def check(self) -> None:
     """Raises ValueError unless the sampler accepts these settings."""
     sampling.check_settings(**dataclasses.asdict(self))
+
+  def describe(self) -> dict[str, Any]:
+    """The settings a generation file records; tau only where the remasking rule uses it."""
+    out = dataclasses.asdict(self)
+    if self.remasking != "threshold":
+      del out["threshold"]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +272,7 @@ def generate_shards(model: models.LLaDA, tokenizer, task: tasks.Task,
   # same on every host.
   tokens, mask = encode_prompts(tokenizer, task, examples, style)
   # What a finished shard must match to be kept (JSON round trip: lists, not tuples).
-  header = json.loads(json.dumps({**dataclasses.asdict(settings),
+  header = json.loads(json.dumps({**settings.describe(),
                                   "prompt": dataclasses.asdict(style),
                                   "shard_size": shard_size, "num_examples": len(examples)}))
   mine = shard_ids(len(examples), shard_size, process_index, process_count)
@@ -315,6 +323,7 @@ class Options:
   block_length: int = 32
   temperature: float = 0.0
   remasking: str = "low_confidence"
+  threshold: float = 0.9
   cfg_scale: float = 0.0
   batch_size: int = 64
   shard_size: int = 128
@@ -372,7 +381,7 @@ def run(options: Options) -> dict[str, evaluation.SetupResult] | None:
   sources = data_sources(options.data, names)
   settings = [SamplerSettings.d1(length, steps=options.steps, block_length=options.block_length,
                                  temperature=options.temperature, remasking=options.remasking,
-                                 cfg_scale=options.cfg_scale) for length in options.gen_lengths]
+                                 threshold=options.threshold, cfg_scale=options.cfg_scale) for length in options.gen_lengths]
   if not settings:
     raise ValueError("no generation length given")
   for setting in settings:
@@ -440,7 +449,10 @@ def define_flags() -> None:
   flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size.")
   flags.DEFINE_float("temperature", defaults.temperature, "Sampling temperature (0: greedy).")
   flags.DEFINE_string("remasking", defaults.remasking,
-                      "Remasking strategy, any that stabledrl_jax.sampling accepts.")
+                      "Remasking strategy, any that stabledrl_jax.sampling accepts "
+                      "(low_confidence, random, threshold).")
+  flags.DEFINE_float("threshold", defaults.threshold, "tau of --remasking=threshold: reveal "
+                     "every position more confident than tau, at least one per model call.")
   flags.DEFINE_float("cfg_scale", defaults.cfg_scale, "Classifier-free guidance (0: off).")
   flags.DEFINE_integer("batch_size", defaults.batch_size, "Rows per sampler call, all devices.")
   flags.DEFINE_integer("shard_size", defaults.shard_size,

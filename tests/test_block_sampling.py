@@ -101,6 +101,21 @@ def test_static_schedule_and_block_order(peaked, prompt):
       np.testing.assert_array_equal(np.bincount(part - block * 3, minlength=3), [2, 1, 1])
 
 
+@pytest.mark.parametrize("remasking", ["low_confidence_static", "low_confidence_dynamic"])
+@pytest.mark.parametrize("stop_at_eos", [False, True])
+def test_model_calls_count_the_steps_that_revealed_a_token(peaked, prompt, remasking,
+                                                            stop_at_eos):
+  # Every call reveals at least one token of a row that still has masks, so a row's calls are
+  # its distinct reveal steps; rows finished by EOS make no more calls.
+  _, reveal, stats = generate(peaked, prompt, key=jax.random.key(0), gen_length=10, steps=3,
+                              remasking=remasking, stop_at_eos=stop_at_eos,
+                              return_reveal_step=True, return_stats=True)
+  distinct = [len(set(row[row >= 0].tolist())) for row in np.asarray(reveal)]
+  np.testing.assert_array_equal(stats["model_calls"], distinct)
+  if remasking == "low_confidence_static" and not stop_at_eos:
+    np.testing.assert_array_equal(stats["model_calls"], [2 + 3 + 3] * 3)  # See the test above.
+
+
 def test_dynamic_threshold_limits(peaked, prompt):
   kw = dict(key=jax.random.key(0), gen_length=8, steps=4, stop_at_eos=False,
             return_reveal_step=True)

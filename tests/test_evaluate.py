@@ -373,12 +373,21 @@ def test_unknown_task_is_named():
 @pytest.mark.parametrize("settings,message", [
     (evaluate.SamplerSettings.d1(100), r"gen_length \(100\) must be a multiple of block_length"),
     (evaluate.SamplerSettings.d1(128, steps=6), r"multiple of the number of blocks \(4\)"),
-    (evaluate.SamplerSettings.d1(128, remasking="threshold"), "remasking must be one of"),
+    (evaluate.SamplerSettings.d1(128, remasking="entropy"), "remasking must be one of"),
+    (evaluate.SamplerSettings.d1(128, remasking="threshold", threshold=1.5),
+     r"threshold must lie in \[0, 1\]"),
     (evaluate.SamplerSettings.d1(128, temperature=-1.0), "must be >= 0"),
 ])
 def test_bad_sampler_settings(settings, message):
   with pytest.raises(ValueError, match=message):
     settings.check()
+
+
+def test_threshold_decoding_is_a_sampler_setting_and_recorded_only_when_used():
+  dynamic = evaluate.SamplerSettings.d1(128, remasking="threshold", threshold=0.8)
+  dynamic.check()
+  assert dynamic.describe()["threshold"] == 0.8
+  assert "threshold" not in evaluate.SamplerSettings.d1(128).describe()
 
 
 def test_a_path_that_is_no_checkpoint(tmp_path, hf_checkpoint, workdir):

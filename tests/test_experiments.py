@@ -5,11 +5,15 @@ The notebooks themselves are executed by nbmake (``pytest --nbmake notebooks``, 
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from stabledrl_jax import models
+from stabledrl_jax.models import flops
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,9 +23,13 @@ TOY = ["--config.sft.num_steps=20", "--config.sft.batch_size=16", "--config.data
        "--config.rollout.num_prompts=2", "--config.rollout.group_size=4"]
 
 
-def run_script(name, *args, check=True):
+def run_script(name, *args, check=True, env=None):
+  # The repository first on the path, so that the scripts import this checkout's package.
+  path = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+  env = {**os.environ, "PYTHONPATH": path, **(env or {})}
   return subprocess.run([sys.executable, str(REPO / "experiments" / name), *args],
-                        capture_output=True, text=True, cwd=REPO, check=check, timeout=600)
+                        capture_output=True, text=True, cwd=REPO, check=check, timeout=600,
+                        env=env)
 
 
 @pytest.mark.slow
@@ -72,6 +80,76 @@ def test_unknown_objective_is_a_usage_error(script, tmp_path):
   out = run_script(script, f"--workdir={tmp_path}", "--objectives=ppo", check=False)
   assert out.returncode != 0 and "ppo" in out.stderr
   assert not any(tmp_path.iterdir())  # Refused before anything ran.
+
+
+def test_benchmark_writes_rows_and_counts_flops(tmp_path):
+  out = tmp_path / "bench.json"
+  run_script("benchmark.py", f"--output={out}", "--configs=tiny", "--repeats=1",
+             "--group_size=2", "--num_samples=1", "--prompt_length=16", "--gen_length=32",
+             "--steps=8", "--peak_sizes=128,256", "--peak_seconds=0.05", "--scaling_config=tiny",
+             "--scale_group_sizes=1,2",
+             "--scale_num_samples=1", "--scale_gen_lengths=32")
+  bench = json.loads(out.read_text())
+  assert bench["peak_flops"] > 0 and bench["dtype"] == "float32"
+  assert [r["what"] for r in bench["rows"]] == ["forward", "train_core", "train_step", "sampler"]
+  for row in bench["rows"] + bench["scaling"]:
+    assert row["config"] == "tiny"
+    for field in ("tokens_per_s", "flops_per_s", "mfu"):
+      assert isinstance(row[field], float) and row[field] > 0, (field, row)
+    assert isinstance(row["peak_memory_bytes"], int) and row["peak_memory_bytes"] > 0
+  config = models.get_config("tiny")
+  rows = {r["what"]: r for r in bench["rows"]}
+  # 2 sequences x 1 sample of 16 + 32 tokens; the sampler: 8 passes, last block on 32 positions.
+  assert rows["forward"]["flops"] == flops.forward_flops(config, 2, 48)
+  assert rows["train_core"]["flops"] == rows["train_step"]["flops"] == 3 * flops.forward_flops(
+      config, 2, 48)
+  assert rows["sampler"]["flops"] == 8 * flops.forward_flops(config, 2, 48, span=32)
+  assert sorted((s["vary"], s["value"]) for s in bench["scaling"]) == [
+      ("gen_length", 32), ("group_size", 1), ("group_size", 2), ("num_samples", 1)]
+  assert {s["relative_cost"] for s in bench["scaling"] if s["value"] == 1} == {1.0}
+
+
+def test_memory_plan_shards_the_train_step_over_fake_devices(tmp_path):
+  out = tmp_path / "plan.json"
+  # The paper's step (one group of 16 completions per microbatch) at tiny size and short
+  # sequences, on one device and on 8 fake ones.
+  run_script("memory_plan.py", f"--output={out}", "--model=tiny", "--meshes=data=1;fsdp=8",
+             "--remat=false", "--microbatch_groups=1", "--set=rollout.prompt_length=32",
+             "--set=rollout.gen_length=64", "--set=train.num_steps=1",
+             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["mesh"] for r in rows] == ["1 device", "fsdp=8"]
+  for row in rows:
+    assert row["model"] == "tiny" and row["fits"] is True
+    assert isinstance(row["per_device_bytes"], int) and isinstance(row["device_bytes"], int)
+    assert row["per_device_bytes"] >= row["activations_bytes"] > 0
+  one, eight = rows
+  # Each device holds an eighth of the state (tiny's shapes split 8 ways) and computes an eighth
+  # of each microbatch's rows, although a microbatch has fewer groups (1) than devices (8).
+  assert eight["parameters_bytes"] < one["parameters_bytes"] / 4
+  assert eight["optimizer_bytes"] < one["optimizer_bytes"] / 4  # Adam's moments sharded too.
+  assert eight["activations_bytes"] < one["activations_bytes"] / 4
+
+
+@pytest.mark.slow
+def test_threshold_decoding_reports_calls_and_accuracy(tmp_path):
+  from stabledrl_jax.training import config_lib, trainer  # pylint: disable=g-import-not-at-top
+  config = config_lib.from_file(REPO / "configs" / "quickstart.py")
+  config.update_from_flattened_dict({
+      "sft.num_steps": 20, "sft.batch_size": 16, "data.train_size": 64, "data.eval_size": 8,
+      "eval.batch_size": 8, "train.num_steps": 0})
+  trainer.train(config, str(tmp_path))  # The supervised start only: <workdir>/sft_model.
+  out = tmp_path / "threshold.json"
+  printed = run_script("threshold_decoding.py", f"--workdir={tmp_path}", "--thresholds=0.0,1.0",
+                       f"--output={out}").stdout
+  result = json.loads(out.read_text())
+  assert result["source"] == "sft_model"
+  low, zero, one = result["rows"]
+  assert low["model_calls"] == result["eval_steps"] == 20  # 40 tokens, one block, gen / 2 steps.
+  assert zero["model_calls"] == 1  # tau = 0: the whole block in one call.
+  assert one["model_calls"] == 40  # tau = 1: one token per call.
+  assert all(0 <= r["accuracy"] <= 100 for r in result["rows"])
+  assert "| threshold tau = 0.0 |" in printed
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "notebooks").glob("*.ipynb")),

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import models
-from stabledrl_jax.sampling import completion_mask, generate, num_transfer_tokens
+from stabledrl_jax.sampling import categorical, completion_mask, generate, num_transfer_tokens
 
 CONFIG = models.get_config("tiny")
 MASK, EOS, V = CONFIG.mask_token_id, CONFIG.eos_token_id, CONFIG.embedding_size
@@ -61,6 +61,26 @@ def test_num_transfer_tokens_follows_llada_schedule():
     for steps in range(1, 12):
       row = np.asarray(num_transfer_tokens(jnp.array([n]), steps))[0]
       assert row.sum() == n and row.max() - row.min() <= 1 and np.all(np.diff(row) <= 0)
+
+
+@pytest.mark.parametrize("vocab, temperature", [(5, 1.0), (300, 0.7)])
+def test_categorical_draws_from_the_tempered_softmax(vocab, temperature):
+  logits = jax.random.normal(jax.random.key(0), (vocab,)) * 2.0
+  logits = logits.at[1].set(-jnp.inf).at[vocab - 1].set(-jnp.inf)  # Never drawn.
+  draws = 100_000
+  keys = jax.random.split(jax.random.key(1), draws)
+  got = jax.jit(jax.vmap(lambda k: categorical(k, logits, temperature)))(keys)
+  freq = np.bincount(np.asarray(got), minlength=vocab) / draws
+  want = np.asarray(jax.nn.softmax(logits / temperature))
+  assert freq[1] == 0 and freq[vocab - 1] == 0
+  # Binomial standard errors: every frequency within 5 of them.
+  np.testing.assert_array_less(np.abs(freq - want), 5 * np.sqrt(want * (1 - want) / draws) + 1e-9)
+
+
+def test_categorical_is_the_argmax_of_a_sure_distribution():
+  logits = jnp.full((4, 3, 128), -jnp.inf).at[..., 77].set(0.0)
+  keys = jax.random.key(2)
+  np.testing.assert_array_equal(categorical(keys, logits, 1.0), np.full((4, 3), 77))
 
 
 def test_prompt_untouched_no_mask_left_and_schedule_kept(tiny, prompt):
@@ -241,7 +261,95 @@ def test_left_padded_prompts_decode_like_unpadded_ones(tiny, prompt):
     (dict(gen_length=10, block_length=4, steps=4), "multiple of block_length"),
     (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
     (dict(gen_length=8, block_length=4, steps=4, remasking="top_p"), "remasking"),
+    (dict(gen_length=8, block_length=4, steps=4, remasking="threshold", threshold=1.5),
+     "threshold"),
 ])
 def test_invalid_arguments_are_rejected(tiny, prompt, kwargs, message):
   with pytest.raises(ValueError, match=message):
     generate(tiny, prompt, key=jax.random.key(0), **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Threshold decoding.
+# ---------------------------------------------------------------------------
+
+
+class RowTableModel(nnx.Module):
+  """Logits tables[tokens[b, 0]] for row b: each prompt's first token picks its own table."""
+
+  def __init__(self, tables):
+    self.config = CONFIG
+    self.tables = nnx.Variable(jnp.asarray(tables, jnp.float32))
+
+  def encode(self, tokens, attention_mask=None, *, span=None):
+    hidden = self.tables[...][tokens[:, 0]]
+    return jax.lax.dynamic_slice_in_dim(hidden, span[0], span[1], axis=1) if span else hidden
+
+  def unembed(self, hidden):
+    return hidden
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_threshold_one_reveals_one_token_per_step_like_low_confidence(tiny, prompt, temperature):
+  # No probability exceeds 1: each step reveals only the most confident token, which is
+  # low_confidence with one step per token (and the same noise, step for step).
+  kw = dict(key=jax.random.key(3), gen_length=16, block_length=8, temperature=temperature,
+            return_reveal_step=True)
+  tokens, reveal, stats = generate(tiny, prompt, steps=1, remasking="threshold", threshold=1.0,
+                                   return_stats=True, **kw)
+  want_tokens, want_reveal = generate(tiny, prompt, steps=16, **kw)
+  np.testing.assert_array_equal(tokens, want_tokens)
+  np.testing.assert_array_equal(reveal, want_reveal)
+  np.testing.assert_array_equal(stats["model_calls"], [16, 16, 16])
+  assert int(stats["forward_passes"]) == 16
+
+
+def test_threshold_zero_reveals_a_whole_block_per_call(tiny, prompt):
+  tokens, reveal, stats = generate(tiny, prompt, key=jax.random.key(0), gen_length=16, steps=16,
+                                   block_length=8, remasking="threshold", threshold=0.0,
+                                   return_reveal_step=True, return_stats=True)
+  assert not np.any(np.asarray(tokens) == MASK)
+  np.testing.assert_array_equal(reveal, np.repeat([[0] * 8 + [8] * 8], 3, axis=0))
+  np.testing.assert_array_equal(stats["model_calls"], [2, 2, 2])  # One call per block.
+  # Each position gets the greedy prediction of the fully masked block.
+  greedy_block = jnp.argmax(tiny(jnp.concatenate(
+      [prompt, jnp.full((3, 16), MASK, jnp.int32)], axis=1))[:, 5:13], axis=-1)
+  np.testing.assert_array_equal(tokens[:, 5:13], greedy_block)
+
+
+def test_threshold_greedy_is_deterministic_and_keeps_the_prompt(tiny):
+  prompt = jnp.array([[4, MASK, 9], [MASK, 1, 2]], jnp.int32)  # Masks inside prompts stay.
+  run = lambda seed: generate(tiny, prompt, key=jax.random.key(seed), gen_length=16, steps=16,
+                              block_length=8, remasking="threshold", threshold=0.05)
+  out = run(0)
+  np.testing.assert_array_equal(out, run(1))
+  np.testing.assert_array_equal(out[:, :3], prompt)
+  assert not np.any(np.asarray(out[:, 3:]) == MASK)
+
+
+def test_threshold_call_count_is_what_the_loop_did():
+  # p = e^8 / (e^8 + 126) = 0.96 for a margin of 8 nats, 0.055 for 2 (V = 128, mask excluded).
+  # Row 0 is sure of all 8 tokens (one call), row 1 of none (one token per call), row 2 of half
+  # (one call for those, then one per token).
+  answer = list(range(10, 18))
+  margins = {0: [8.0] * 8, 1: [2.0] * 8, 2: [8.0, 2.0] * 4}
+  tables = np.zeros((3, 11, V), np.float32)
+  for row, m in margins.items():
+    tables[row] = answer_table(11, 3, answer, m)
+  prompt = jnp.array([[0, 5, 5], [1, 5, 5], [2, 5, 5]], jnp.int32)
+  tokens, reveal, stats = generate(RowTableModel(tables), prompt, key=jax.random.key(0),
+                                   gen_length=8, steps=8, block_length=8, remasking="threshold",
+                                   threshold=0.5, return_reveal_step=True, return_stats=True)
+  np.testing.assert_array_equal(tokens[:, 3:], [answer] * 3)
+  np.testing.assert_array_equal(stats["model_calls"], [1, 8, 5])
+  assert int(stats["forward_passes"]) == 8  # The batch runs until its slowest row is done.
+  for row, calls in zip(np.asarray(reveal), [1, 8, 5]):
+    assert len(np.unique(row)) == calls  # Distinct reveal steps: the calls that revealed.
+  np.testing.assert_array_equal(reveal[2, ::2], [0] * 4)  # The sure tokens in the first call.
+
+
+def test_fixed_schedules_report_every_step_as_a_call(tiny, prompt):
+  _, stats = generate(tiny, prompt, key=jax.random.key(0), gen_length=16, steps=6,
+                      block_length=8, return_stats=True)
+  np.testing.assert_array_equal(stats["model_calls"], [6, 6, 6])
+  assert int(stats["forward_passes"]) == 6

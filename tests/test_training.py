@@ -65,6 +65,8 @@ def workdir_with_start(path, sft_start):
     ("objective.name", "ppo", "objective.name"),
     ("rollout.gen_length", 30, "rollout.gen_length"),
     ("rollout.steps", 0, "rollout.steps"),
+    ("rollout.remasking", "top_k", "rollout.remasking"),
+    ("rollout.threshold", 1.5, "rollout.threshold"),
     ("rollout.block_length", 16, "rollout.gen_length"),
     ("estimator.method", "exact", "estimator.method"),
     ("objective.stabledrl.max_ratio", 0.0, "objective.stabledrl.max_ratio"),
@@ -253,6 +255,49 @@ def test_zero_advantages_give_a_zero_bound_ratio_not_nan():
       use_reference=False, gradient_bound=True)
   assert float(metrics["grad_bound/max"]) == 0 and float(metrics["grad_norm"]) == 0
   assert float(metrics["grad_norm_over_bound/max"]) == 0
+
+
+def test_estimates_of_left_padded_rows_match_one_sequence_at_a_time():
+  # The estimator's B x K rows and the attention mask that model_logits_fn repeats for them must
+  # be in the same (sequence-major) order: a left-padded row scored with another row's mask would
+  # differ.
+  config = models.get_config("tiny")
+  model = models.LLaDA(config, rngs=nnx.Rngs(0))
+  n, length, k = 3, 12, 3
+  tokens = jax.random.randint(jax.random.key(1), (n, length), 0, 100)
+  attention = jnp.arange(length)[None] >= jnp.array([[0], [3], [5]])  # Left padding 0, 3, 5.
+  prompt = attention & (jnp.arange(length)[None] < 7)
+  completion = jnp.broadcast_to(jnp.arange(length) >= 7, (n, length))
+  batch = rl_loss.RolloutBatch(
+      tokens=tokens, prompt_mask=prompt, completion_mask=completion, attention_mask=attention,
+      advantages=jnp.zeros(n), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=k, normalize="sum", token_level=False,
+                                eubo_beta=None, mask_id=config.mask_token_id)
+  masks = rl_loss.estimator_masks(batch, jax.random.key(2), spec)
+  together, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, attention), batch, None, spec,
+                                 masks=masks)
+  for i in range(n):
+    row = jax.tree.map(lambda x: x[i:i + 1], batch)
+    row_masks = jax.tree.map(lambda x: x[:, i:i + 1], masks)
+    alone, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, row.attention_mask), row, None,
+                                spec, masks=row_masks)
+    np.testing.assert_allclose(together[i], alone[0], rtol=1e-5)
+
+
+def test_adam_moments_are_sharded_like_their_parameters():
+  mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  model = nnx.eval_shape(lambda: models.LLaDA(models.get_config("tiny"), rngs=nnx.Rngs(0)))
+  _, params = nnx.split(model, nnx.Param)
+  param_shardings = models.param_shardings(params, mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  shardings = train_step.state_shardings(tx, params, param_shardings, replicated)
+  specs = lambda tree: [s.spec for s in jax.tree.leaves(tree)]
+  adam = shardings.opt_state[1][0]
+  assert specs(adam.mu) == specs(adam.nu) == specs(param_shardings)
+  assert any(spec != jax.sharding.PartitionSpec() for spec in specs(adam.mu))  # Not all replicated.
+  assert adam.count == shardings.step == shardings.key == replicated
 
 
 def test_microbatches_keep_groups_whole():

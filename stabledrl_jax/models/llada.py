@@ -20,6 +20,7 @@ from flax import nnx
 
 from stabledrl_jax.models import layers
 from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.sharding import constrain
 
 Array = jax.Array
 
@@ -51,6 +52,9 @@ def _apply_block(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array
 
 
 _apply_block_remat = nnx.remat(_apply_block)
+
+# Activations split over the batch rule's mesh axes (see `sharding.constrain`).
+_HIDDEN_AXES = ("batch", None, None)
 
 
 def _span_block_fn(length: int):
@@ -102,11 +106,11 @@ class LLaDA(nnx.Module):
     if attention_mask is not None:
       attention_mask = attention_mask.astype(bool)
     cos, sin = layers.rotary_angles(tokens.shape[1], self.config.head_dim, self.config.rope_theta)
-    x = self.wte(tokens)
+    x = constrain(self.wte(tokens), _HIDDEN_AXES)
     apply = _apply_block_remat if self.config.remat else _apply_block
     *body, last = self.blocks
     for block in body:
-      x = apply(block, x, cos, sin, attention_mask)
+      x = constrain(apply(block, x, cos, sin, attention_mask), _HIDDEN_AXES)
     if span is None:
       x = apply(last, x, cos, sin, attention_mask)
     else:
@@ -115,11 +119,12 @@ class LLaDA(nnx.Module):
       if self.config.remat:
         apply_span = nnx.remat(apply_span)
       x = apply_span(last, x, cos, sin, attention_mask, start)
-    return self.ln_f(x)
+    return constrain(self.ln_f(x), _HIDDEN_AXES)
 
   def unembed(self, hidden: Array) -> Array:
-    """hidden: [..., D] -> logits [..., embedding_size] in `config.logits_dtype`."""
-    return self.lm_head(hidden, out_dtype=self.config.logits_dtype)
+    """hidden: [B, ..., D] -> logits [B, ..., embedding_size] in `config.logits_dtype`."""
+    logits = self.lm_head(hidden, out_dtype=self.config.logits_dtype)
+    return constrain(logits, ("batch",) + (None,) * (logits.ndim - 2) + (layers.AX_VOCAB,))
 
   def __call__(self, tokens: Array, attention_mask: Array | None = None) -> Array:
     """tokens: [B, L] int -> logits [B, L, embedding_size] (see `encode` for the mask)."""

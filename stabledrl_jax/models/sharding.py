@@ -13,7 +13,9 @@ torch layout [d_model, heads * head_dim], so a 'heads' dimension spans heads * h
 
 `LOGICAL_AXIS_RULES` maps them to the mesh axes ('data', 'fsdp', 'tensor'): the model dimension is
 split over 'fsdp' (ZeRO-3 style: gathered per layer by XLA), the wide dimensions over 'tensor'
-(Megatron style), norms replicated. 'batch' is the rule for activations and data. Splitting
+(Megatron style), norms replicated. 'batch' is the rule for activations and data: the model pins
+its hidden states and logits to it with `constrain` (active when traced under a mesh, as the
+trainer's steps are), so that XLA gathers the kernels rather than the activations. Splitting
 'heads' / 'kv_heads' over 'tensor' falls on head boundaries when n_heads and n_kv_heads are
 multiples of the 'tensor' size.
 
@@ -104,6 +106,23 @@ def param_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RU
     return NamedSharding(mesh, PartitionSpec())
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None],
+              rules: LogicalRules = LOGICAL_AXIS_RULES) -> jax.Array:
+  """Pins an activation to the mesh axes of its logical axes, when a mesh is in context.
+
+  Under `jax.sharding.use_abstract_mesh(mesh)` at trace time (the trainer traces its jitted steps
+  so), `x` gets `with_sharding_constraint` to the spec of `logical_axes`; otherwise it is returned
+  unchanged (single device, tests). Without these pins on the activations, GSPMD is free to
+  split a product over the contracted model dimension (where 'fsdp' splits the kernels) and
+  all-reduce full, unsharded outputs: for LLaDA-8B the [rows, 126464] logits of every row on
+  every device.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, partition_spec(logical_axes, x.shape, mesh, rules))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2,

@@ -58,8 +58,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   # steps: denoising steps over the whole completion. block_length: LLaDA's semi-autoregressive
   # blocks; SDAR decodes by its model's block_size (prompt_length and gen_length multiples of it)
-  # and ignores it. remasking: llada: low_confidence | random; sdar: low_confidence (= static) |
-  # low_confidence_static | low_confidence_dynamic (every position above `threshold`).
+  # and ignores it. remasking: llada: low_confidence | random (`steps` on an even schedule) |
+  # threshold (every position above `threshold`, at least one per call; `steps` unused);
+  # sdar: low_confidence (= static) | low_confidence_static | low_confidence_dynamic (every
+  # position above `threshold`, or the static count if fewer pass).
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
       block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9))

@@ -5,7 +5,7 @@
 * the model config: ``models.get_config(model.name)`` (LLaDA) or
   ``models.get_sdar_config(model.name)`` (SDAR), with ``model.overrides``;
 * ``block_size``: None for LLaDA (full attention), the model's block size for SDAR;
-* ``likelihood_fn``: the model as the estimators see it: tokens [R * B, L] -> logits for LLaDA
+* ``likelihood_fn``: the model as the estimators see it: tokens [B * R, L] -> logits for LLaDA
   (``estimators.py``), the staircase function for SDAR (``block_estimators.py``);
 * ``generate``: ``sampling.generate`` over ``rollout.block_length`` blocks (LLaDA),
   ``block_sampling.generate`` over the model's blocks with a KV cache (SDAR).
@@ -46,11 +46,12 @@ _SHARED_FIELDS = {
 
 
 def _llada_likelihood_fn(model: Any, attention_mask: Array) -> Callable[[Array], Array]:
-  """tokens [R * B, L] -> logits, the [B, L] attention mask tiled over the R mask rows."""
+  """tokens [B * R, L] -> logits, the [B, L] attention mask repeated for each sequence's R rows
+  (``estimators.token_logprobs`` orders the rows sequence-major)."""
 
   def logits_fn(tokens):
     rows = tokens.shape[0] // attention_mask.shape[0]
-    return model(tokens, attention_mask=jnp.tile(attention_mask, (rows, 1)))
+    return model(tokens, attention_mask=jnp.repeat(attention_mask, rows, axis=0))
 
   return logits_fn
 
@@ -65,11 +66,13 @@ def _sdar_likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Arra
 
 
 def _llada_generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-                    rollout: ml_collections.ConfigDict, temperature: float, steps: int) -> Array:
-  return sampling.generate(
+                    rollout: ml_collections.ConfigDict, temperature: float, steps: int,
+                    remasking: str, threshold: float) -> tuple[Array, Array]:
+  tokens, stats = sampling.generate(
       model, prompt_tokens, key=key, gen_length=rollout.gen_length, steps=steps,
-      block_length=rollout.block_length, temperature=temperature, remasking=rollout.remasking,
-      prompt_mask=prompt_mask)
+      block_length=rollout.block_length, temperature=temperature, remasking=remasking,
+      threshold=threshold, prompt_mask=prompt_mask, return_stats=True)
+  return tokens, stats["model_calls"]
 
 
 # rollout.remasking -> block_sampling's name. LLaDA's 'low_confidence' (the even schedule, most
@@ -82,15 +85,17 @@ _SDAR_REMASKING = {
 
 
 def _sdar_generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-                   rollout: ml_collections.ConfigDict, temperature: float, steps: int) -> Array:
+                   rollout: ml_collections.ConfigDict, temperature: float, steps: int,
+                   remasking: str, threshold: float) -> tuple[Array, Array]:
   # `steps` counts denoising steps over the whole completion, as for LLaDA; the block sampler
   # takes them per block (at most: the dynamic rule and finished rows stop early).
   num_blocks = rollout.gen_length // model.config.block_size
-  return block_sampling.generate(
+  tokens, stats = block_sampling.generate(
       model, prompt_tokens, key=key, gen_length=rollout.gen_length,
       steps=-(-steps // num_blocks), temperature=temperature,
-      remasking=_SDAR_REMASKING[rollout.remasking], threshold=rollout.threshold,
-      prompt_mask=prompt_mask)
+      remasking=_SDAR_REMASKING[remasking], threshold=threshold, prompt_mask=prompt_mask,
+      return_stats=True)
+  return tokens, stats["model_calls"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +113,7 @@ class Family:
     block_size: model config -> its block size (None: full attention, no fixed blocks).
     likelihood_fn: (model, attention_mask [B, L]) -> the model as the estimator sees it.
     generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, rollout,
-      temperature, steps) -> tokens [B, P + G].
+      temperature, steps, remasking, threshold) -> (tokens [B, P + G], model calls [B]).
   """
 
   name: str
@@ -120,7 +125,7 @@ class Family:
   remasking: tuple[str, ...]
   block_size: Callable[[Any], int | None]
   likelihood_fn: Callable[[Any, Array], Callable[..., Array]]
-  generate: Callable[..., Array]
+  generate: Callable[..., tuple[Array, Array]]
 
   @property
   def fields(self) -> tuple[str, ...]:
@@ -169,13 +174,21 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
 
 
 def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-             rollout: ml_collections.ConfigDict, temperature: float, steps: int) -> Array:
-  """Completions of left-padded prompts [B, P] -> tokens [B, P + G], by the model's sampler.
+             rollout: ml_collections.ConfigDict, temperature: float, steps: int,
+             remasking: str | None = None,
+             threshold: float | None = None) -> tuple[Array, Array]:
+  """Completions of left-padded prompts [B, P] by the model's sampler.
 
-  ``steps`` denoising steps over the completion of ``rollout.gen_length`` tokens.
+  ``steps`` denoising steps over the completion of ``rollout.gen_length`` tokens (at most, for
+  threshold rules); ``remasking`` and ``threshold`` default to ``rollout``'s.
+
+  Returns:
+    tokens [B, P + G] and the model calls each sequence needed [B] int32.
   """
-  return of(model).generate(model, prompt_tokens, prompt_mask, key, rollout=rollout,
-                            temperature=temperature, steps=steps)
+  return of(model).generate(
+      model, prompt_tokens, prompt_mask, key, rollout=rollout, temperature=temperature,
+      steps=steps, remasking=rollout.remasking if remasking is None else remasking,
+      threshold=rollout.threshold if threshold is None else threshold)
 
 
 def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:

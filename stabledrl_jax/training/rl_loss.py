@@ -95,8 +95,8 @@ def model_logits_fn(model: Callable[..., Array],
                     attention_mask: Array) -> Callable[..., Array]:
   """The model as ``estimate`` sees it, the [B, L] attention mask bound.
 
-  Full attention (LLaDA): tokens [R * B, L] -> logits, the mask tiled over the R
-  mask rows. Block diffusion (SDAR): its staircase function. See ``model_family``.
+  Full attention (LLaDA): tokens [B * R, L] -> logits, the mask repeated for each
+  sequence's R mask rows. Block diffusion (SDAR): its staircase function. See ``model_family``.
   """
   return model_family.likelihood_fn(model, attention_mask)
 

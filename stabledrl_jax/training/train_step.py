@@ -51,6 +51,23 @@ def create_train_state(params: Any, tx: optax.GradientTransformation, seed: int)
       consecutive_skips=jnp.zeros((), jnp.int32))
 
 
+def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardings: Any,
+                    replicated: jax.sharding.Sharding) -> TrainState:
+  """Shardings of the ``TrainState`` of ``params`` (concrete or abstract).
+
+  Optimizer-state leaves shaped like the parameters (Adam's moments) take their parameter's
+  sharding; counts, the step, the key and the counters are replicated. Jitting
+  ``create_train_state`` without them leaves the moments replicated, since XLA's propagation
+  does not reach ``zeros_like(params)`` (no data dependence): every device would hold all of
+  them (30 GiB for LLaDA-8B in bf16) instead of its shards.
+  """
+  abstract = jax.eval_shape(lambda p: create_train_state(p, tx, 0), params)
+  opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state,
+                                    param_shardings, transform_non_params=lambda _: replicated)
+  return TrainState(step=replicated, params=param_shardings, opt_state=opt_state,
+                    key=replicated, skipped_steps=replicated, consecutive_skips=replicated)
+
+
 def _split_microbatches(batch: rl_loss.RolloutBatch, num_microbatches: int,
                         group_size: int) -> rl_loss.RolloutBatch:
   """[N, ...] -> [M, N / M, ...], microbatch m holding groups m, m + M, m + 2M, ...
@@ -64,6 +81,37 @@ def _split_microbatches(batch: rl_loss.RolloutBatch, num_microbatches: int,
     return jnp.swapaxes(groups, 0, 1).reshape((num_microbatches, -1) + x.shape[1:])
 
   return jax.tree.map(split, batch)
+
+
+def microbatch_sharding(batch_sharding: Any) -> jax.sharding.NamedSharding | None:
+  """[M, N / M, ...] microbatches with each microbatch's rows split like the batch's rows.
+
+  Without it, a microbatch with fewer groups than devices (the paper's one group per microbatch
+  on 8 devices) lives on the devices that held its groups, and XLA replicates it: every device
+  computes every microbatch. Given this sharding, XLA moves the (small) token arrays instead.
+  None (no constraint) for anything but one `NamedSharding` of the whole batch.
+  """
+  if not isinstance(batch_sharding, jax.sharding.NamedSharding):
+    return None
+  return jax.sharding.NamedSharding(batch_sharding.mesh,
+                                    jax.sharding.PartitionSpec(None, *batch_sharding.spec))
+
+
+def _constrain(tree: Any, sharding: jax.sharding.NamedSharding | None) -> Any:
+  if sharding is None:
+    return tree
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+
+def _in_loop(params: Any, loop_variant: Any) -> Any:
+  """``params``, tied to a value that changes every iteration of the microbatch loop.
+
+  The parameters are loop invariants, so XLA hoists what it computes from them alone out of the
+  loop: with FSDP, the all-gathers of every layer's kernels, which then all stay live for the
+  whole loop (the full unsharded model on every device, 28 GiB for LLaDA-8B as the CPU backend
+  upcasts it) instead of one layer at a time. The barrier makes them depend on the iteration.
+  """
+  return jax.lax.optimization_barrier((params, loop_variant))[0]
 
 
 def _merge_microbatches(x: Array, num_microbatches: int, group_size: int) -> Array:
@@ -88,12 +136,14 @@ def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
 def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
                 tx: optax.GradientTransformation, spec: rl_loss.LikelihoodSpec, objective: str,
                 hparams: tuple[tuple[str, Any], ...], group_size: int, num_microbatches: int,
-                use_reference: bool, gradient_bound: bool = False
+                use_reference: bool, gradient_bound: bool = False,
+                microbatch_sharding: jax.sharding.NamedSharding | None = None
                 ) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer update on a rollout batch with fresh estimator masks from ``key``.
 
   ``gradient_bound`` (StableDRL only) also logs ``grad_bound/max``, max_j |A_j| ||grad s_j||,
   and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1.
+  ``microbatch_sharding``: see ``microbatch_sharding()``.
   """
 
   def logits_fn_of(params, attention_mask):
@@ -105,22 +155,32 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
                                   group_size=group_size, use_reference=use_reference)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  micro = _split_microbatches(batch, num_microbatches, group_size)
+  micro = _constrain(_split_microbatches(batch, num_microbatches, group_size),
+                     microbatch_sharding)
   keys = jax.random.split(key, num_microbatches)
 
-  def accumulate(grads, inputs):
+  def accumulate(grads, inputs, params):
     mb, mb_key = inputs
-    (_, metrics), mb_grads = grad_fn(state.params, mb, mb_key)
+    (_, metrics), mb_grads = grad_fn(params, mb, mb_key)
     if gradient_bound:
       hp = dict(hparams)
       metrics["grad_bound/max"] = rl_loss.surrogate_gradient_bound(
-          logits_fn_of, state.params, mb, mb_key, spec=spec, surrogate=hp["surrogate"],
+          logits_fn_of, params, mb, mb_key, spec=spec, surrogate=hp["surrogate"],
           omega=hp["omega"])
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
     return grads, metrics
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
-  grads, stacked = jax.lax.scan(accumulate, zeros, (micro, keys))
+  if num_microbatches == 1:
+    # One microbatch (the default): no loop and no zero-initialized accumulator, whose carry XLA
+    # would copy and add to, one pass over the gradients each.
+    grads, metrics = accumulate(zeros, jax.tree.map(lambda x: x[0], (micro, keys)),
+                                state.params)
+    stacked = jax.tree.map(lambda x: x[None], metrics)
+  else:
+    grads, stacked = jax.lax.scan(
+        lambda g, inputs: accumulate(g, inputs, _in_loop(state.params, g)), zeros,
+        (micro, keys))
   metrics = _reduce_metrics(stacked)
   if "log_ratio/max" in metrics:
     metrics["log10_ratio/max"] = metrics["log_ratio/max"] / math.log(10.0)
@@ -152,30 +212,46 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   return new_state, metrics
 
 
+def traced_under(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` traced with ``mesh`` as the abstract mesh, so that the model's activation
+  constraints (``models.sharding.constrain``) apply when it is jitted."""
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return traced
+
+
 def make_update_fn(graphdef: Any, tx: optax.GradientTransformation, *,
-                   state_shardings: Any, batch_shardings: Any, replicated: Any,
+                   state_shardings: Any, batch_shardings: Any,
+                   replicated: jax.sharding.NamedSharding,
                    **static) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
-  """jit(update_step) with the state donated and its shardings pinned."""
-  fn = functools.partial(update_step, graphdef=graphdef, tx=tx, **static)
-  return jax.jit(fn, donate_argnums=(0,),
+  """jit(update_step) with the state donated and its shardings pinned, traced under their mesh."""
+  fn = functools.partial(update_step, graphdef=graphdef, tx=tx,
+                         microbatch_sharding=microbatch_sharding(batch_shardings), **static)
+  return jax.jit(traced_under(replicated.mesh, fn), donate_argnums=(0,),
                  in_shardings=(state_shardings, batch_shardings, replicated),
                  out_shardings=(state_shardings, replicated))
 
 
 def estimate_no_grad(params: Any, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
                      spec: rl_loss.LikelihoodSpec, group_size: int, num_microbatches: int,
-                     stress_mode: str | None = None) -> Array:
+                     stress_mode: str | None = None,
+                     microbatch_sharding: jax.sharding.NamedSharding | None = None) -> Array:
   """l_old (stress test: ``stress_mode='hard'``) or l_ref: estimates under fixed parameters.
 
   Runs over the same microbatches with the same keys as ``update_step``, so that the same
   ``key`` gives the same masks (the coupled ratio), and so that memory stays per microbatch.
   """
-  model = nnx.merge(graphdef, params)
-  micro = _split_microbatches(batch, num_microbatches, group_size)
+  micro = _constrain(_split_microbatches(batch, num_microbatches, group_size),
+                     microbatch_sharding)
   keys = jax.random.split(key, num_microbatches)
 
   def one(inputs):
     mb, mb_key = inputs
+    model = nnx.merge(graphdef, _in_loop(params, mb_key))
     logp, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, mb.attention_mask), mb, mb_key,
                                spec, stress_mode=stress_mode)
     return logp

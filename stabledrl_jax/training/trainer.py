@@ -108,6 +108,64 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: nnx
   return model
 
 
+def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shardings: Any,
+                mesh, spec: rl_loss.LikelihoodSpec):
+  """The jitted update of ``config`` (``train_step.make_update_fn``), state donated and pinned."""
+  return train_step.make_update_fn(
+      graphdef, tx, state_shardings=state_shardings,
+      batch_shardings=models.batch_sharding(mesh, ndim=1),
+      replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec=spec,
+      objective=config.objective.name, hparams=config_lib.objective_hparams(config),
+      group_size=config.rollout.group_size, num_microbatches=config_lib.num_microbatches(config),
+      use_reference=config.train.reference_model, gradient_bound=config.train.gradient_bound)
+
+
+def abstract_update(config: ml_collections.ConfigDict, devices=None):
+  """The update of ``config`` and abstract inputs for it: nothing is allocated.
+
+  For ahead-of-time compilation (memory plans): ``update.lower(state, batch, key).compile()``.
+  The model is ``model.name`` fresh (not ``model.checkpoint``), placed on the config's mesh
+  over ``devices`` (default: all) by the same rules as in training.
+
+  Returns:
+    (update, state, batch, key): the jitted update and ``jax.ShapeDtypeStruct`` pytrees of a
+    ``TrainState``, a ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
+  """
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  # Only a character tokenizer changes the shapes, and it needs no file.
+  tokenizer = data.make_tokenizer(config.tokenizer) if config.tokenizer.kind == "char" else None
+  model_cfg = model_family.model_config(config, tokenizer)
+  graphdef, params = nnx.split(
+      nnx.eval_shape(lambda: models.init_model(model_cfg, seed=config.seed)), nnx.Param)
+  params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+                        params, models.param_shardings(params, mesh))
+  tx = optimizer_lib.make_optimizer(config.optimizer,
+                                    config.train.num_steps * config.train.num_iterations)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shardings = train_step.state_shardings(tx, params, jax.tree.map(lambda p: p.sharding, params),
+                                         replicated)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(lambda p: train_step.create_train_state(p, tx, config.seed),
+                                      params), shardings)
+  spec = config_lib.likelihood_spec(config, model_cfg.mask_token_id,
+                                    block_size=model_family.block_size(model_cfg))
+  r = config.rollout
+  n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
+  rows = models.batch_sharding(mesh, ndim=1)
+  array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+  logp = (n, length) if spec.token_level else (n,)
+  batch = rl_loss.RolloutBatch(
+      tokens=array((n, length), jnp.int32), prompt_mask=array((n, length), bool),
+      completion_mask=array((n, length), bool), attention_mask=array((n, length), bool),
+      advantages=array((n,), jnp.float32), old_logp=array(logp, jnp.float32),
+      ref_logp=array(logp, jnp.float32),
+      stressed=array((n,), bool) if config.estimator.stress.fraction > 0 else None)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+  update = make_update(config, graphdef, tx, shardings, mesh, spec)
+  return update, state, batch, key
+
+
 class Trainer:
   """Holds what the loop needs across steps; ``run()`` trains to ``train.num_steps``."""
 
@@ -143,8 +201,11 @@ class Trainer:
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
-    state = jax.jit(lambda p: train_step.create_train_state(p, self.tx, config.seed))(params)
-    self.state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    self.state_shardings = train_step.state_shardings(
+        self.tx, params, jax.tree.map(lambda p: p.sharding, params),
+        jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    state = jax.jit(lambda p: train_step.create_train_state(p, self.tx, config.seed),
+                    out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
       state, meta = self.checkpointer.restore(latest, checkpointing.abstract_like(state))
@@ -157,22 +218,15 @@ class Trainer:
     objective = losses.get_objective(config.objective.name)
     self.needs_old = "old_logp" in objective.requires
     # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
-    batch_sharding = models.batch_sharding(self.mesh, ndim=1)
-    self.batch_sharding = batch_sharding
-    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    self.update = train_step.make_update_fn(
-        self.graphdef, self.tx, state_shardings=self.state_shardings,
-        batch_shardings=batch_sharding, replicated=replicated, spec=self.spec,
-        objective=config.objective.name, hparams=config_lib.objective_hparams(config),
-        group_size=config.rollout.group_size,
-        num_microbatches=config_lib.num_microbatches(config),
-        use_reference=config.train.reference_model,
-        gradient_bound=config.train.gradient_bound)
-    self.estimate_no_grad = jax.jit(
-        lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
+    self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
+    self.update = make_update(config, self.graphdef, self.tx, self.state_shardings, self.mesh,
+                              self.spec)
+    self.estimate_no_grad = jax.jit(train_step.traced_under(
+        self.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
             params, batch, key, graphdef=self.graphdef, spec=self.spec,
             group_size=config.rollout.group_size,
-            num_microbatches=config_lib.num_microbatches(config), stress_mode=stress_mode),
+            num_microbatches=config_lib.num_microbatches(config), stress_mode=stress_mode,
+            microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
         static_argnames="stress_mode")
     self.writer = metrics_writer.MetricsWriter(workdir, resume_step=self.start_step)
 
@@ -187,12 +241,17 @@ class Trainer:
     return nnx.merge(self.graphdef, params)
 
   def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
-               temperature: float, steps: int) -> np.ndarray:
-    tokens = model_family.generate(
-        self._model(params), jax.device_put(prompt_tokens, self.batch_sharding),
-        jax.device_put(prompt_mask, self.batch_sharding), key, rollout=self.config.rollout,
-        temperature=temperature, steps=steps)
-    return np.asarray(tokens)
+               temperature: float, steps: int, **options) -> tuple[np.ndarray, np.ndarray]:
+    """Completions [B, P + G] and the model calls each needed [B].
+
+    ``options`` (remasking, threshold) override ``config.rollout``'s.
+    """
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # The model's constraints.
+      tokens, calls = model_family.generate(
+          self._model(params), jax.device_put(prompt_tokens, self.batch_sharding),
+          jax.device_put(prompt_mask, self.batch_sharding), key, rollout=self.config.rollout,
+          temperature=temperature, steps=steps, **options)
+    return np.asarray(tokens), np.asarray(calls)
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, advantages: np.ndarray,
                  stressed: np.ndarray | None = None) -> rl_loss.RolloutBatch:
@@ -215,18 +274,22 @@ class Trainer:
   def _logp_shape(self, tokens: np.ndarray) -> tuple[int, ...]:
     return tokens.shape if self.spec.token_level else tokens.shape[:1]
 
-  def evaluate(self, params, key) -> dict[str, float]:
-    """Greedy decoding on the held-out prompts: the task's metric, in percent."""
+  def evaluate(self, params, key, **options) -> dict[str, float]:
+    """Greedy decoding on the held-out prompts: the task's metric, in percent, and the mean model
+    calls per sequence. `options` override the rollout's remasking / threshold."""
     prompts, r = self.eval_prompts, self.config.rollout
     steps = self.config.eval.steps or max(r.gen_length // 2, r.gen_length // r.block_length)
-    correct = total = reward = 0.0
+    correct = total = reward = calls = 0.0
     size = self.config.eval.batch_size
     for start in range(0, len(prompts.examples), size):
       # Static shapes over the mesh: pad the last batch, drop the padding after.
       (tokens, mask), real = mesh_lib.pad_rows(
           [prompts.tokens[start:start + size], prompts.mask[start:start + size]],
           mesh_lib.data_parallel_size(self.mesh))
-      out = self.generate(params, tokens, mask, key, temperature=0.0, steps=steps)[:real]
+      out, row_calls = self.generate(params, tokens, mask, key, temperature=0.0, steps=steps,
+                                     **options)
+      out = out[:real]
+      calls += float(row_calls[:real].sum())
       texts = data.decode_completions(self.tokenizer, out[:, r.prompt_length:])
       for text, example in zip(texts, prompts.examples[start:start + real]):
         score = self.task.score(text, example)
@@ -234,7 +297,8 @@ class Trainer:
         total += score.total
         reward += self.task.reward(text, example)
     return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
-            "eval/reward_mean": reward / len(prompts.examples)}
+            "eval/reward_mean": reward / len(prompts.examples),
+            "eval/model_calls": calls / len(prompts.examples)}
 
   def rl_step(self, step: int) -> dict[str, Any]:
     config, r = self.config, self.config.rollout
@@ -247,8 +311,8 @@ class Trainer:
     prompts = data.encode_examples(config, self.tokenizer, self.task, examples)
     prompt_tokens = np.repeat(prompts.tokens, r.group_size, axis=0)
     prompt_mask = np.repeat(prompts.mask, r.group_size, axis=0)
-    tokens = self.generate(self.state.params, prompt_tokens, prompt_mask, key_rollout,
-                           temperature=r.temperature, steps=r.steps)
+    tokens, calls = self.generate(self.state.params, prompt_tokens, prompt_mask, key_rollout,
+                                  temperature=r.temperature, steps=r.steps)
     rollout_s = time.perf_counter() - start
 
     texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
@@ -289,6 +353,7 @@ class Trainer:
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
         "advantage/abs_mean": float(np.abs(advantages).mean()),
         "completion/length_mean": float(completion.sum(-1).mean()),
+        "rollout/model_calls": float(calls.mean()),
         "skipped_steps": int(self.state.skipped_steps),
         "time/step_s": elapsed, "time/rollout_s": rollout_s,
         "throughput/tokens_per_s": tokens.shape[0] * r.gen_length / elapsed,
