@@ -13,7 +13,8 @@ gen; K Monte Carlo samples; the paper's StableDRL setting: block_random masks, S
               interleaved with the rows' calls, so that both see the same load.
   forward     jitted model(tokens), logits of every position: N * K rows of length L.
   train_core  jit(value_and_grad) of `rl_loss.objective_loss`: mask sampling, one forward pass of
-              the N * K noised rows, the objective, the backward pass (SPEC section 8, step 4).
+              the N * K noised rows (logits of the completion positions only, as the trainer
+              computes them), the objective, the backward pass (SPEC section 8, step 4).
   train_step  `train_step.make_update_fn`: the train core plus gradient clipping, AdamW and the
               non-finite check, state donated (what the trainer runs per inner iteration).
   sampler     `sampling.generate` on the N rollout rows (temperature 0.9, low-confidence
@@ -23,7 +24,8 @@ Per row: seconds (median of `--repeats` warm calls), tokens/s (sequence position
 model: N * K * L for forward and training, N * gen for the sampler), FLOPs (matmul FLOPs counted
 from the config by `models.flops`, whose docstring has the formula: 2 per multiply-add of every
 kernel but the embedding, plus 4 L D per token per layer for attention; forward + backward = 3x
-the forward; the sampler counts `steps` passes with the last block and the head on one block),
+the forward; training counts the last block's queries and the head on the gen completion
+positions; the sampler counts `steps` passes with the last block and the head on one block),
 FLOP/s, MFU and peak memory. MFU is the median over repeats of the row's FLOP/s over the mean
 peak FLOP/s of the matmul calls just before and after it (on a shared machine the load drifts
 during a run; neighbouring calls see about the same load); `peak_flops` is the median of all
@@ -165,7 +167,7 @@ def train_core_case(name: str, model: nnx.Module, w: Workload) -> Case:
                                key)
   rows = w.sequences * w.num_samples
   return Case(name, "train_core", lambda: compiled(params, batch, key),
-              flops=flops_lib.train_flops(model.config, rows, w.length),
+              flops=flops_lib.train_flops(model.config, rows, w.length, span=spec.scored_suffix),
               tokens=rows * w.length, memory=memory,
               shape=dict(sequences=w.sequences, num_samples=w.num_samples, length=w.length))
 
@@ -176,8 +178,9 @@ def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optimizer.make_optimizer(c.optimizer, c.train.num_steps * c.train.num_iterations)
   state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0))(params)
+  spec = config_lib.likelihood_spec(c, model.config.mask_token_id)
   update = trainer.make_update(c, graphdef, tx, jax.tree.map(lambda x: x.sharding, state), mesh,
-                               config_lib.likelihood_spec(c, model.config.mask_token_id))
+                               spec)
   batch = rollout_batch(model.config, w)
   key = jax.random.key(0)
   compiled, memory = _compiled(update, state, batch, key)
@@ -188,7 +191,8 @@ def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
     return metrics
 
   rows = w.sequences * w.num_samples
-  return Case(name, "train_step", call, flops=flops_lib.train_flops(model.config, rows, w.length),
+  return Case(name, "train_step", call,
+              flops=flops_lib.train_flops(model.config, rows, w.length, span=spec.scored_suffix),
               tokens=rows * w.length, memory=memory,
               shape=dict(sequences=w.sequences, num_samples=w.num_samples, length=w.length))
 

@@ -311,28 +311,40 @@ def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
 
 
 def token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array,
-                   mask_id: int) -> Array:
+                   mask_id: int, suffix: int | None = None) -> Array:
   """log p(z_i | noised z) at every position, all rows in one forward pass.
 
   Args:
     logits_fn: tokens [B * R, L] -> logits [B * R, L, V]; row b * R + r is the r-th noised
       copy of sequence b (sequence-major, so that a batch split over devices stays split: each
-      device scores the samples of its own sequences).
+      device scores the samples of its own sequences). With ``suffix``, called as
+      ``logits_fn(tokens, suffix=n)`` and returning the logits of the last n positions only,
+      [B * R, n, V].
     tokens: [B, L] clean tokens z.
     noisy: [R, B, L] bool, positions to replace by ``mask_id``.
     mask_id: the mask token id.
+    suffix: score only the last ``suffix`` positions (the completion, when every prompt is
+      left-padded to the same length): the model skips the output head and the last block's
+      queries everywhere else. The caller guarantees that no earlier position is scored.
 
   Returns:
-    [R, B, L] float32 log-probs of the clean tokens.
+    [R, B, L] float32 log-probs of the clean tokens (0 before the suffix).
   """
   rows, batch, length = noisy.shape
   noised = jnp.where(jnp.swapaxes(noisy, 0, 1), mask_id, tokens[:, None])  # [B, R, L]
-  logits = logits_fn(noised.reshape(batch * rows, length))
-  chex.assert_shape(logits, (batch * rows, length, None))
+  noised = noised.reshape(batch * rows, length)
+  if suffix is None:
+    scored, logits = tokens, logits_fn(noised)
+  else:
+    if not 0 < suffix <= length:
+      raise ValueError(f"suffix must lie in [1, {length}], got {suffix}")
+    scored, logits = tokens[:, length - suffix:], logits_fn(noised, suffix=suffix)
+  chex.assert_shape(logits, (batch * rows, scored.shape[1], None))
   logits = logits.astype(jnp.float32)
-  clean = jnp.repeat(tokens, rows, axis=0)[..., None]
+  clean = jnp.repeat(scored, rows, axis=0)[..., None]
   logp = jnp.take_along_axis(logits, clean, axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
-  return jnp.swapaxes(logp.reshape(batch, rows, length), 0, 1)
+  logp = jnp.swapaxes(logp.reshape(batch, rows, -1), 0, 1)
+  return jnp.pad(logp, ((0, 0), (0, 0), (length - logp.shape[-1], 0)))
 
 
 def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Array:
@@ -354,9 +366,10 @@ def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Arr
 
 
 def estimate_from_masks(logits_fn: LogitsFn, tokens: Array, masks: MaskSample, *,
-                        mask_id: int, normalize: str = "sum") -> Estimate:
-  """Scores given masks: one forward pass of R * B rows."""
-  token_logp = token_logprobs(logits_fn, tokens, masks.noisy, mask_id)
+                        mask_id: int, normalize: str = "sum",
+                        suffix: int | None = None) -> Estimate:
+  """Scores given masks: one forward pass of R * B rows (``suffix``: see ``token_logprobs``)."""
+  token_logp = token_logprobs(logits_fn, tokens, masks.noisy, mask_id, suffix)
   return Estimate(value=combine(token_logp, masks, normalize),
                   token_logp=token_logp, masks=masks)
 
@@ -365,7 +378,7 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
                   completion_mask: Array, key: Array, *, method: str,
                   mask_id: int, num_samples: int = 1, normalize: str = "sum",
                   masks: MaskSample | None = None, return_details: bool = False,
-                  **options) -> Array | Estimate:
+                  suffix: int | None = None, **options) -> Array | Estimate:
   """Estimate log pi(y | x) for each sequence of a batch.
 
   Args:
@@ -382,6 +395,8 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
       denominator of a ratio) instead of sampling.
     return_details: return an :class:`Estimate` (with token log-probs) instead
       of the [B] values.
+    suffix: the completion is the last ``suffix`` positions of every row: only they get
+      logits (``token_logprobs``); None: every position.
     **options: options of the method's mask sampler.
 
   Returns:
@@ -392,7 +407,7 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
     masks = sample_masks(key, prompt_mask, completion_mask, method=method,
                          num_samples=num_samples, **options)
   estimate = estimate_from_masks(logits_fn, tokens, masks, mask_id=mask_id,
-                                 normalize=normalize)
+                                 normalize=normalize, suffix=suffix)
   return estimate if return_details else estimate.value
 
 

@@ -53,6 +53,21 @@ def test_forward_and_backward_are_three_forwards(model):
   assert want <= got <= (1 + TOLERANCE) * want
 
 
+def test_suffix_training_count_matches_xla(model):
+  # The likelihood estimators' pass: logits of the last 16 of 40 positions, forward + backward.
+  graphdef, params = nnx.split(model, nnx.Param)
+  tokens = jnp.zeros((3, 40), jnp.int32)
+
+  def loss(p, t):
+    m = nnx.merge(graphdef, p)
+    return jnp.sum(jax.nn.log_softmax(m.unembed(m.encode(t, span=(24, 16)))))
+
+  got = xla_flops(jax.grad(loss), params, tokens)
+  want = flops.train_flops(model.config, 3, 40, span=16)
+  assert want < flops.train_flops(model.config, 3, 40)
+  assert want <= got <= (1 + TOLERANCE) * want
+
+
 def test_per_token_count_is_two_per_matmul_parameter_plus_attention(model):
   config = model.config
   length = 40

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import losses, models
+from stabledrl_jax import estimators, losses, models
 from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, rl_loss
 from stabledrl_jax.training import sweep, train_step, trainer
 
@@ -282,6 +283,52 @@ def test_estimates_of_left_padded_rows_match_one_sequence_at_a_time():
     alone, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, row.attention_mask), row, None,
                                 spec, masks=row_masks)
     np.testing.assert_allclose(together[i], alone[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("method,token_level,eubo", [
+    ("elbo", False, None), ("block_random", False, 1.5), ("mean_field", True, None)])
+def test_completion_only_logits_give_the_same_estimates(method, token_level, eubo):
+  # scored_suffix: the model computes logits for the last G positions alone (the last block's
+  # queries and the head skip the prompt). Estimates, EUBOs, token log-probs and gradients must
+  # equal those of full logits, left-padded prompts included.
+  config = models.get_config("tiny")
+  graphdef, params = nnx.split(models.LLaDA(config, rngs=nnx.Rngs(0)), nnx.Param)
+  n, prompt_length, gen = 4, 7, 8
+  length = prompt_length + gen
+  tokens = jax.random.randint(jax.random.key(1), (n, length), 0, 100)
+  attention = jnp.arange(length)[None] >= jnp.array([[0], [3], [5], [1]])
+  prompt = attention & (jnp.arange(length)[None] < prompt_length)
+  completion = jnp.broadcast_to(jnp.arange(length) >= prompt_length, (n, length))
+  batch = rl_loss.RolloutBatch(
+      tokens=tokens, prompt_mask=prompt, completion_mask=completion, attention_mask=attention,
+      advantages=jnp.zeros(n), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
+  options = (("block_length", 4),) if method == "block_random" else ()
+  full = rl_loss.LikelihoodSpec(method=method, num_samples=2, normalize="sum",
+                                token_level=token_level, eubo_beta=eubo,
+                                mask_id=config.mask_token_id, options=options)
+  suffix = dataclasses.replace(full, scored_suffix=gen)
+
+  def run(spec):
+    def total(p):
+      logits_fn = rl_loss.model_logits_fn(nnx.merge(graphdef, p), attention)
+      logp, eubo_value = rl_loss.estimate(logits_fn, batch, jax.random.key(2), spec)
+      return jnp.sum(logp) + (0.0 if eubo_value is None else jnp.sum(eubo_value)), (
+          logp, eubo_value)
+    return jax.grad(total, has_aux=True)(params)
+
+  (grads_full, (logp_full, eubo_full)), (grads_suffix, (logp_suffix, eubo_suffix)) = (
+      run(full), run(suffix))
+  np.testing.assert_allclose(logp_suffix, logp_full, rtol=2e-5, atol=2e-5)
+  if eubo is not None:
+    np.testing.assert_allclose(eubo_suffix, eubo_full, rtol=2e-5, atol=2e-5)
+  chex.assert_trees_all_close(grads_suffix, grads_full, rtol=2e-4, atol=2e-6)
+
+
+def test_a_bad_scored_suffix_is_an_error():
+  logits_fn = lambda tokens, suffix=None: jnp.zeros(tokens.shape + (5,))
+  noisy = jnp.zeros((1, 2, 6), bool)
+  with pytest.raises(ValueError, match=r"suffix must lie in \[1, 6\]"):
+    estimators.token_logprobs(logits_fn, jnp.zeros((2, 6), jnp.int32), noisy, 4, suffix=7)
 
 
 def test_adam_moments_are_sharded_like_their_parameters():

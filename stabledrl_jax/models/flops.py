@@ -70,11 +70,16 @@ def forward_flops(config: ModelConfig, batch: int, length: int, *, span: int | N
   return batch * (blocks + head_flops(config, logits))
 
 
-def train_flops(config: ModelConfig, batch: int, length: int) -> int:
-  """Matmul FLOPs of forward + backward over [batch, length] tokens (logits at every position)."""
-  blocks = forward_flops(config, batch, length) - batch * head_flops(config, length)
+def train_flops(config: ModelConfig, batch: int, length: int, *, span: int | None = None) -> int:
+  """Matmul FLOPs of forward + backward over [batch, length] tokens.
+
+  ``span``: logits (and the last block's queries) for the last ``span`` positions only, as the
+  likelihood estimators compute them (``rl_loss.LikelihoodSpec.scored_suffix``); None: all L.
+  """
+  logits = length if span is None else span
+  blocks = forward_flops(config, batch, length, span=span) - batch * head_flops(config, logits)
   block_multiplier = REMAT_MULTIPLIER if config.remat else TRAIN_MULTIPLIER
-  return block_multiplier * blocks + TRAIN_MULTIPLIER * batch * head_flops(config, length)
+  return block_multiplier * blocks + TRAIN_MULTIPLIER * batch * head_flops(config, logits)
 
 
 def matmul_params(config: ModelConfig) -> int:

@@ -341,7 +341,9 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
       method=method, num_samples=e.num_samples,
       normalize=e.normalize or losses.get_objective(name).normalize,
       token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
-      options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size)
+      options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size,
+      # Completions fill the last gen_length positions of every rollout row.
+      scored_suffix=config.rollout.gen_length if block_size is None else None)
 
 
 def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:

@@ -47,11 +47,19 @@ _SHARED_FIELDS = {
 
 def _llada_likelihood_fn(model: Any, attention_mask: Array) -> Callable[[Array], Array]:
   """tokens [B * R, L] -> logits, the [B, L] attention mask repeated for each sequence's R rows
-  (``estimators.token_logprobs`` orders the rows sequence-major)."""
+  (``estimators.token_logprobs`` orders the rows sequence-major).
 
-  def logits_fn(tokens):
+  ``suffix=n``: the logits of the last n positions only, [B * R, n, V]; the last block runs
+  only their queries and the head only their hidden states.
+  """
+
+  def logits_fn(tokens, suffix=None):
     rows = tokens.shape[0] // attention_mask.shape[0]
-    return model(tokens, attention_mask=jnp.repeat(attention_mask, rows, axis=0))
+    mask = jnp.repeat(attention_mask, rows, axis=0)
+    if suffix is None:
+      return model(tokens, attention_mask=mask)
+    length = tokens.shape[1]
+    return model.unembed(model.encode(tokens, mask, span=(length - suffix, suffix)))
 
   return logits_fn
 

@@ -78,6 +78,9 @@ class LikelihoodSpec:
       (numerator) and "hard" (denominator) masks; None: no stress test.
     block_size: the block size of a block diffusion model, whose likelihoods are
       block estimates (see the module docstring); None: a full-attention model.
+    scored_suffix: full attention: every completion lies in the last ``scored_suffix``
+      positions (prompts left-padded to one length), so the model computes logits there
+      alone (``estimators.token_logprobs``); None: at every position.
   """
 
   method: str
@@ -89,6 +92,7 @@ class LikelihoodSpec:
   options: tuple[tuple[str, Any], ...] = ()
   stress_rates: tuple[float, float] | None = None
   block_size: int | None = None
+  scored_suffix: int | None = None
 
 
 def model_logits_fn(model: Callable[..., Array],
@@ -96,7 +100,7 @@ def model_logits_fn(model: Callable[..., Array],
   """The model as ``estimate`` sees it, the [B, L] attention mask bound.
 
   Full attention (LLaDA): tokens [B * R, L] -> logits, the mask repeated for each
-  sequence's R mask rows. Block diffusion (SDAR): its staircase function. See ``model_family``.
+  sequence's R mask rows (``suffix=n``: the last n positions' logits only). Block diffusion (SDAR): its staircase function. See ``model_family``.
   """
   return model_family.likelihood_fn(model, attention_mask)
 
@@ -192,7 +196,7 @@ def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Arra
     details = estimators.estimate_logp(
         logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
         method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize, masks=masks,
-        return_details=True)
+        return_details=True, suffix=spec.scored_suffix)
   return _logp_and_eubo(details, spec)
 
 
