@@ -1,10 +1,13 @@
 """Memory plan of the paper-scale train step: per-device bytes on FSDP meshes, compiled, not run.
 
     python experiments/memory_plan.py --output plan.json                      # LLaDA-8B, 3 meshes
+    python experiments/memory_plan.py --model sdar_8b --output plan_sdar.json   # SDAR-8B
     python experiments/memory_plan.py --model tiny --meshes fsdp=8 --output /tmp/plan.json
 
-The train step of `config_lib.llada8b_config` (32 prompts x 16 completions of 256 + 256 tokens,
-2 MC samples, bf16 parameters and AdamW moments) is compiled ahead of time with
+The train step of `config_lib.llada8b_config` or `sdar8b_config` (32 prompts x 16 completions
+of 256 + 256 tokens, 2 MC samples, bf16 parameters and AdamW moments; SDAR: the block ELBO, one
+staircase pass over the clean copy and the K noised copies, (K + 1) x 512 positions) is compiled
+ahead of time with
 `train_step.make_update_fn` for meshes of fake CPU devices
 (`--xla_force_host_platform_device_count`, set before JAX starts), from abstract inputs
 (`jax.ShapeDtypeStruct` with the trainer's shardings; nothing is allocated), and XLA's memory
@@ -27,8 +30,8 @@ kernels gathered for the forward pass until the backward pass (the whole model i
 device, about 26 GiB for LLaDA-8B, whatever the mesh).
 
 The default plan compiles 12 steps (3 meshes x 2 remat x 2 microbatch sizes), 30-50 s each on 2
-CPU cores. `--model` is a `models.get_config` name (LLaDA); the abstract model comes from
-`models.init_model`, so SDAR configs can be planned once the trainer builds SDAR models.
+CPU cores. `--model` is a config name of `--family` (`models.get_config`, `models.get_sdar_config`);
+the abstract model comes from `models.init_model`, as in the trainer.
 
 JSON (`--output`): {"rows": [{"model", "mesh", "remat", "microbatch_groups",
 "per_device_bytes", "device_bytes", "fits", "parameters_bytes", "optimizer_bytes", "batch_bytes",
@@ -58,8 +61,13 @@ def _mesh(text: str) -> dict[str, int]:
 
 def _parse_args():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model", default="llada_8b", help="models.get_config name")
-  parser.add_argument("--task", default="gsm8k", help="llada8b_config task (sizes only)")
+  parser.add_argument("--model", default="llada_8b",
+                      help="a model config name of --family (llada_8b, sdar_8b, tiny, ...)")
+  parser.add_argument("--family", default="", choices=("", "llada", "sdar"),
+                      help="model family (default: sdar for names starting with 'sdar', else "
+                           "llada); its paper config (config_lib.llada8b_config / sdar8b_config) "
+                           "gives the RL sizes")
+  parser.add_argument("--task", default="gsm8k", help="the paper config's task (sizes only)")
   parser.add_argument("--meshes", default="fsdp=8;fsdp=64;fsdp=256",
                       type=lambda s: [_mesh(m) for m in s.split(";") if m])
   parser.add_argument("--device_gb", default="",
@@ -109,7 +117,9 @@ def main():
   for i, mesh_sizes in enumerate(args.meshes):
     ways = math.prod(mesh_sizes.values())
     device_bytes = int((gbs[i] if gbs else (80 if ways <= 8 else 16)) * 1e9)
-    config = config_lib.llada8b_config(args.task, learning_rate=1e-6)
+    family = args.family or ("sdar" if args.model.startswith("sdar") else "llada")
+    paper_config = config_lib.sdar8b_config if family == "sdar" else config_lib.llada8b_config
+    config = paper_config(args.task, learning_rate=1e-6)
     config.model.name = args.model
     config.mesh.update(**mesh_sizes)
     for assignment in args.set:

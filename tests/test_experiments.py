@@ -101,19 +101,23 @@ def test_benchmark_writes_rows_and_counts_flops(tmp_path):
   rows = {r["what"]: r for r in bench["rows"]}
   # 2 sequences x 1 sample of 16 + 32 tokens; the sampler: 8 passes, last block on 32 positions.
   assert rows["forward"]["flops"] == flops.forward_flops(config, 2, 48)
+  # Training: forward + backward = 3 forwards, the last block's queries and the head on the 32
+  # completion positions only.
   assert rows["train_core"]["flops"] == rows["train_step"]["flops"] == 3 * flops.forward_flops(
-      config, 2, 48)
+      config, 2, 48, span=32)
   assert rows["sampler"]["flops"] == 8 * flops.forward_flops(config, 2, 48, span=32)
   assert sorted((s["vary"], s["value"]) for s in bench["scaling"]) == [
       ("gen_length", 32), ("group_size", 1), ("group_size", 2), ("num_samples", 1)]
   assert {s["relative_cost"] for s in bench["scaling"] if s["value"] == 1} == {1.0}
 
 
-def test_memory_plan_shards_the_train_step_over_fake_devices(tmp_path):
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_memory_plan_shards_the_train_step_over_fake_devices(tmp_path, family):
   out = tmp_path / "plan.json"
   # The paper's step (one group of 16 completions per microbatch) at tiny size and short
   # sequences, on one device and on 8 fake ones.
-  run_script("memory_plan.py", f"--output={out}", "--model=tiny", "--meshes=data=1;fsdp=8",
+  run_script("memory_plan.py", f"--output={out}", "--model=tiny", f"--family={family}",
+             "--meshes=data=1;fsdp=8",
              "--remat=false", "--microbatch_groups=1", "--set=rollout.prompt_length=32",
              "--set=rollout.gen_length=64", "--set=train.num_steps=1",
              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})

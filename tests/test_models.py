@@ -1,5 +1,6 @@
 """The LLaDA model: configs, shapes, dtypes, attention semantics, sharding annotations."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,6 +174,32 @@ def test_remat_gives_the_same_logits_and_gradients(tiny):
   np.testing.assert_allclose(rematted(tokens), tiny(tokens), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_layers_give_the_same_logits_and_gradients(remat):
+  # scan_layers stacks the blocks' parameters per call and runs them in a lax.scan: the same
+  # function of the same (per-layer) parameters as the unrolled loop, masks and spans included.
+  config = models.get_config("tiny", n_layers=4)
+  loop = models.LLaDA(config, rngs=nnx.Rngs(0))
+  scanned = models.LLaDA(config.replace(scan_layers=True, remat=remat), rngs=nnx.Rngs(0))
+  tokens = _tokens(config, (2, 12), seed=3)
+  mask = jnp.arange(12)[None].repeat(2, 0) >= jnp.array([[0], [4]])
+
+  def outputs(model):
+    def loss(model):
+      logits = model.unembed(model.encode(tokens, mask, span=(4, 8)))
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 1]), logits
+    (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return model(tokens, mask), logits, grads
+
+  graphdef, _ = nnx.split(scanned)
+  assert "scan" in str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens))(
+      nnx.state(scanned)))
+  want, got = outputs(loop), outputs(scanned)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(got[2], want[2], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("remat", [False, True])

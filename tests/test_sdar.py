@@ -92,7 +92,9 @@ def test_every_param_has_a_logical_sharding_annotation(tiny):
   assert spec(attn["q_norm"]["weight"]) == jax.P(None)
   assert spec(shardings["embed_tokens"]["embedding"]) == jax.P("tensor", "fsdp")
   sharded = models.init_model(CONFIG, seed=0, mesh=mesh)
-  np.testing.assert_array_equal(sharded.lm_head.kernel[...], tiny.lm_head.kernel[...])
+  # The same draws; the jitted sharded init and the eager one may round the last bit of a
+  # truncated-normal transform differently (they are separately compiled programs).
+  np.testing.assert_allclose(sharded.lm_head.kernel[...], tiny.lm_head.kernel[...], rtol=1e-6)
 
 
 def test_logits_shape_and_dtypes(tiny):

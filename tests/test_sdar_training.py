@@ -236,7 +236,9 @@ def test_sdar_stress_test_makes_the_log_ratio_explode(tmp_path, sdar_start):
     record = trainer.train(config, str(_with_start(tmp_path / name, sdar_start)))[0]
     return record["log_ratio/min"], record["log_ratio/mean"], record["log_ratio/max"]
 
-  np.testing.assert_allclose(log_ratios("normal", 0.0), 0.0, atol=1e-5)
+  # Without stress, numerator and denominator score the same masks: equal up to the rounding
+  # of two separately compiled float32 sums of a few hundred nats (an ulp is ~3e-5 at 256).
+  np.testing.assert_allclose(log_ratios("normal", 0.0), 0.0, atol=1e-4)
   _, mean, high = log_ratios("stress", 0.7)
   assert mean > 1.0 and high > 5.0, (mean, high)  # Measured: 3.5 and 16.2 (rho ~ 1e7).
 

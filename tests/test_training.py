@@ -93,6 +93,14 @@ def test_bad_config_values_name_the_field(field, value, match):
     config_lib.validate(config, num_devices=1)
 
 
+def test_scan_layers_is_a_llada_option():
+  config = tiny_config(**{"model.scan_layers": True})
+  config_lib.validate(config, num_devices=1)
+  config.model.family, config.model.name = "sdar", "tiny"
+  with pytest.raises(ValueError, match=r"model\.scan_layers: only the llada family"):
+    config_lib.validate(config, num_devices=1)
+
+
 def test_token_level_grpo_needs_mean_field():
   config = tiny_config(**{"objective.name": "grpo", "estimator.method": "elbo"})
   with pytest.raises(ValueError, match="mean_field"):
@@ -286,7 +294,7 @@ def test_estimates_of_left_padded_rows_match_one_sequence_at_a_time():
 
 
 @pytest.mark.parametrize("method,token_level,eubo", [
-    ("elbo", False, None), ("block_random", False, 1.5), ("mean_field", True, None)])
+    ("block_random", False, 1.5), ("mean_field", True, None)])
 def test_completion_only_logits_give_the_same_estimates(method, token_level, eubo):
   # scored_suffix: the model computes logits for the last G positions alone (the last block's
   # queries and the head skip the prompt). Estimates, EUBOs, token log-probs and gradients must

@@ -1,8 +1,8 @@
 """ModelConfig: the shapes and dtypes of a LLaDA-architecture masked diffusion transformer.
 
 Field names mirror the keys of LLaDA's Hugging Face `config.json` (`d_model`, `n_heads`, ...), so
-that a checkpoint's config maps onto this dataclass one to one (see `hf_io.py`). The dtype fields
-and `remat` are ours: they choose how the model is stored and run, not what it computes.
+that a checkpoint's config maps onto this dataclass one to one (see `hf_io.py`). The dtype fields,
+`remat` and `scan_layers` are ours: they choose how the model is stored and run, not what it computes.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class ModelConfig:
     dtype: compute dtype of activations and matmuls.
     logits_dtype: dtype of the returned logits (float32 keeps log-probs accurate under bf16).
     remat: rematerialize each block in the backward pass (saves activation memory).
+    scan_layers: run the blocks but the last as one `lax.scan` over their parameters, stacked
+      when the model is called (the parameters and checkpoints keep one entry per layer). Same
+      values; with FSDP, each iteration gathers one layer's kernels and reduces one layer's
+      gradients, where an unrolled loop lets XLA keep them all (see README, "Memory plan").
   """
 
   d_model: int
@@ -65,6 +69,7 @@ class ModelConfig:
   dtype: Any = jnp.float32
   logits_dtype: Any = jnp.float32
   remat: bool = False
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size",

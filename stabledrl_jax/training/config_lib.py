@@ -49,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype of activations
       param_dtype="float32",
       remat=False,
+      # LLaDA: run the blocks as a lax.scan over their stacked parameters (ModelConfig.scan_layers:
+      # with FSDP, one layer's kernels gathered and one layer's gradients reduced at a time).
+      scan_layers=False,
   ))
   c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
   c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False))
@@ -145,7 +148,7 @@ def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict
   """
   c = _paper_setting(task, learning_rate)
   c.model.update(name="llada_8b", checkpoint="/path/to/LLaDA-8B-Instruct", dtype="bfloat16",
-                 param_dtype="bfloat16", remat=True)
+                 param_dtype="bfloat16", remat=True, scan_layers=True)
   c.tokenizer.update(kind="llada", path="/path/to/LLaDA-8B-Instruct/tokenizer.json")
   c.rollout.update(steps=128, block_length=32)
   return c
@@ -208,6 +211,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[model_family.Fam
   """
   family = model_family.get(config.model.family)
   model_family.resolve_overrides(family, dict(config.model.overrides))
+  _require(not config.model.scan_layers or family.name == "llada", "model.scan_layers",
+           f"only the llada family scans its layers (model.family={family.name!r})")
   if config.model.checkpoint:
     return family, None
   _require(config.model.name in family.config_names, "model.name",

@@ -227,6 +227,11 @@ def named_block_size(config: ml_collections.ConfigDict) -> int | None:
   return None if size is None else int(overrides.get("block_size", size))
 
 
+def run_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Model config fields beyond dtypes and remat that the run sets: LLaDA's ``scan_layers``."""
+  return {"scan_layers": True} if config.model.get("scan_layers", False) else {}
+
+
 def model_config(config: ml_collections.ConfigDict, tokenizer) -> Any:
   """The config of a fresh model: ``model.name`` of ``model.family`` with its overrides.
 
@@ -236,7 +241,7 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> Any:
   family = get(config.model.family)
   overrides = resolve_overrides(family, dict(config.model.overrides))
   overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                   remat=config.model.remat)
+                   remat=config.model.remat, **run_options(config))
   if config.tokenizer.kind == "char":
     overrides.update({field: tokenizer.vocab_size for field in family.vocab_fields})
     overrides.update(mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)

@@ -58,7 +58,8 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LL
     return models.init_model(model_config, seed=config.seed, mesh=mesh)
   model = models.from_pretrained(config.model.checkpoint, mesh=mesh,
                                  dtype=jnp.dtype(config.model.param_dtype),
-                                 remat=config.model.remat)
+                                 remat=config.model.remat,
+                                 **model_family.run_options(config))
   return _check_loaded(config, model, config.model.checkpoint)
 
 

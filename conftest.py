@@ -1,0 +1,58 @@
+"""pytest setup shared by tests/ and notebooks/: compile once, compile fast.
+
+Most of the suite's time is XLA compiling tiny models on CPU, not running them:
+
+* One JAX compilation cache for the whole run. Many tests compile the same computations (the
+  trainer's step in-process, in `python -m stabledrl_jax.train` subprocesses, in each xdist
+  worker and in the notebooks' kernels); JAX's persistent cache keys an executable by its HLO and
+  options, so each compiles once per run. It lives in .pytest_cache/ (git-ignored); set
+  JAX_COMPILATION_CACHE_DIR to move it, or to '' to turn it off.
+* Unoptimized machine code (`--xla_backend_optimization_level=0`: LLVM's -O0; XLA's own graph
+  optimizations still run) for the tests and the processes they start, which compile in about
+  two thirds of the time and run toy shapes as fast. The notebooks train for real, so their
+  kernels get the default optimization. Set XLA_FLAGS with any backend level to override.
+
+Subprocesses and notebook kernels inherit both through the environment.
+"""
+
+import os
+import pathlib
+
+_CACHE = pathlib.Path(__file__).resolve().parent / ".pytest_cache" / "jax-compilation-cache"
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+# Small programs compile faster than they load from disk.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+if "xla_backend_optimization_level" not in (_USER_XLA_FLAGS or ""):
+  os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_FAST_COMPILE}".strip()
+_TEST_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+
+if os.environ["JAX_COMPILATION_CACHE_DIR"]:
+  pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
+  import jax  # pylint: disable=g-import-not-at-top
+
+  # In case a plugin imported JAX before the variables above were set.
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def _is_notebook(item) -> bool:
+  return pathlib.Path(str(item.path)).suffix == ".ipynb"
+
+
+def pytest_runtest_setup(item):
+  """A notebook's kernel (started by nbmake during the test) gets the user's XLA_FLAGS."""
+  if _is_notebook(item):
+    if _USER_XLA_FLAGS is None:
+      os.environ.pop("XLA_FLAGS", None)
+    else:
+      os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS
+
+
+def pytest_runtest_teardown(item):
+  if _is_notebook(item):
+    os.environ["XLA_FLAGS"] = _TEST_XLA_FLAGS
