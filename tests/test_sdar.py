@@ -225,6 +225,32 @@ def test_remat_gives_the_same_logits_and_gradients(tiny):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_layers_give_the_same_staircase_encoding_and_gradients(remat):
+  config = CONFIG.replace(num_hidden_layers=3)
+  loop = models.SDAR(config, rngs=nnx.Rngs(0))
+  scanned = models.SDAR(config.replace(scan_layers=True, remat=remat), rngs=nnx.Rngs(0))
+  clean = _tokens((2, 8), seed=13)
+  noisy = _noised(clean, 14)
+  key_mask = jnp.arange(8)[None].repeat(2, 0) >= jnp.array([[0], [4]])
+
+  def outputs(model):
+    def loss(model):
+      return jnp.mean(jax.nn.log_softmax(model.staircase(noisy, clean, key_mask))[..., 0])
+    grads = nnx.grad(loss)(model)
+    return (model.staircase(noisy, clean, key_mask), model.encode(clean, key_mask, span=(4, 4)),
+            grads)
+
+  graphdef, state = nnx.split(scanned)
+  assert "scan" in str(jax.make_jaxpr(
+      lambda s: nnx.merge(graphdef, s).staircase(noisy, clean))(state))
+  want, got = outputs(loop), outputs(scanned)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Hugging Face IO against a float64 numpy forward pass written from the tensor names.
 # ---------------------------------------------------------------------------

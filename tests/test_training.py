@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import estimators, losses, models
-from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, rl_loss
+from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer, model_family
+from stabledrl_jax.training import rl_loss
 from stabledrl_jax.training import sweep, train_step, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -93,12 +94,14 @@ def test_bad_config_values_name_the_field(field, value, match):
     config_lib.validate(config, num_devices=1)
 
 
-def test_scan_layers_is_a_llada_option():
-  config = tiny_config(**{"model.scan_layers": True})
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_scan_layers_reaches_the_model_config(family):
+  config = tiny_config(**{"model.scan_layers": True, "model.family": family})
   config_lib.validate(config, num_devices=1)
-  config.model.family, config.model.name = "sdar", "tiny"
-  with pytest.raises(ValueError, match=r"model\.scan_layers: only the llada family"):
-    config_lib.validate(config, num_devices=1)
+  tokenizer = data.make_tokenizer(config.tokenizer)
+  assert model_family.model_config(config, tokenizer).scan_layers
+  config.model.scan_layers = False
+  assert not model_family.model_config(config, tokenizer).scan_layers
 
 
 def test_token_level_grpo_needs_mean_field():

@@ -14,15 +14,14 @@ the output projection, which is the largest matmul of a small model.
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax.models import layers
+from stabledrl_jax.models import scan as scan_lib
 from stabledrl_jax.models.config import ModelConfig
-from stabledrl_jax.models.sharding import constrain, logical_axes
+from stabledrl_jax.models.sharding import constrain
 
 Array = jax.Array
 
@@ -55,32 +54,6 @@ def _apply_block(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array
 
 _apply_block_remat = nnx.remat(_apply_block)
 
-
-def _scan_blocks(blocks: Sequence[Block], x: Array, cos: Array, sin: Array,
-                 key_mask: Array | None, remat: bool) -> Array:
-  """The blocks applied in turn, as a `lax.scan` over their stacked parameters.
-
-  The stack is built per call (a copy of each device's parameter shards, stacked along a new,
-  unsharded leading axis), so the module keeps one entry per layer for checkpoints and sharding
-  rules; its gradient flows back to each layer's parameters.
-  """
-  graphdef, first = nnx.split(blocks[0])
-  states = [first] + [nnx.split(block)[1] for block in blocks[1:]]
-
-  def stack(*variables):
-    value = jnp.stack([v[...] for v in variables])
-    axes = logical_axes(variables[0])
-    return variables[0].replace(value if axes is None else constrain(value, (None,) + axes))
-
-  stacked = jax.tree.map(stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-  def body(x, state):
-    y = nnx.merge(graphdef, state)(x, cos, sin, key_mask)
-    return constrain(y, _HIDDEN_AXES), None
-
-  if remat:
-    body = jax.checkpoint(body)
-  return jax.lax.scan(body, x, stacked)[0]
 
 # Activations split over the batch rule's mesh axes (see `sharding.constrain`).
 _HIDDEN_AXES = ("batch", None, None)
@@ -139,7 +112,9 @@ class LLaDA(nnx.Module):
     apply = _apply_block_remat if self.config.remat else _apply_block
     *body, last = self.blocks
     if self.config.scan_layers and body:
-      x = _scan_blocks(body, x, cos, sin, attention_mask, self.config.remat)
+      x = scan_lib.scan_layers(
+          body, x, lambda block, x: constrain(block(x, cos, sin, attention_mask), _HIDDEN_AXES),
+          remat=self.config.remat)
     else:
       for block in body:
         x = constrain(apply(block, x, cos, sin, attention_mask), _HIDDEN_AXES)

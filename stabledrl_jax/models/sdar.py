@@ -44,8 +44,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax.models import layers
+from stabledrl_jax.models import scan as scan_lib
 from stabledrl_jax.models import staircase as staircase_lib
 from stabledrl_jax.models.sdar_config import SDARConfig
+from stabledrl_jax.models.sharding import constrain
 
 Array = jax.Array
 
@@ -230,16 +232,35 @@ class SDAR(nnx.Module):
   # -- the layer stack ------------------------------------------------------
 
   def _stack(self, x: Array, cos: Array, sin: Array, kernel: Any, auxes: list[Any], *,
-             last_span: tuple[Array | int, int] | None = None) -> tuple[Array, list]:
-    """Runs every layer; the last one on `last_span` only. Returns (x, per-layer (k, v))."""
+             last_span: tuple[Array | int, int] | None = None,
+             keep_kv: bool = True) -> tuple[Array, list]:
+    """Runs every layer; the last one on `last_span` only. Returns (x, per-layer (k, v)).
+
+    Without `keep_kv`, and with `scan_layers` (then auxes[:-1] must all be auxes[0]), the layers
+    but the last run as one scan (`models/scan.py`) and only the last layer's (k, v) is returned.
+    """
     kvs = []
+    x = constrain(x, ("batch", None, None))
     apply = _apply_layer_remat if self.config.remat else _apply_layer
     count = len(self.layers)
+    start = 0
+    if self.config.scan_layers and not keep_kv and count > 1:
+      aux = auxes[0]
+      x = scan_lib.scan_layers(
+          self.layers[:-1], x,
+          lambda layer, x: constrain(layer(x, cos, sin, kernel, aux)[0], ("batch", None, None)),
+          remat=self.config.remat)
+      start = count - 1
     for i, layer in enumerate(self.layers):
+      if i < start:
+        continue
       span_start, span_length = (0, None)
       if i == count - 1 and last_span is not None:
         span_start, span_length = last_span[0], int(last_span[1])
       x, kv = apply(layer, x, cos, sin, auxes[i], span_start, kernel, span_length)
+      # Rows stay split over the batch's mesh axes (see `sharding.constrain`): otherwise GSPMD
+      # may split the model dimension instead and compute every row on every device.
+      x = constrain(x, ("batch", None, None))
       kvs.append(kv)
     return x, kvs
 
@@ -270,7 +291,8 @@ class SDAR(nnx.Module):
     auxes = [(positions, positions, key_mask)] * len(self.layers)
     if span is not None:
       auxes[-1] = (span[0] + jnp.arange(span[1]), positions, key_mask)
-    x, _ = self._stack(self.embed_tokens(tokens), cos, sin, kernel, auxes, last_span=span)
+    x, _ = self._stack(self.embed_tokens(tokens), cos, sin, kernel, auxes, last_span=span,
+                       keep_kv=False)
     return self.norm(x)
 
   def unembed(self, hidden: Array) -> Array:
@@ -315,9 +337,11 @@ class SDAR(nnx.Module):
     streams = jnp.concatenate([jnp.transpose(noisy, (1, 0, 2)).reshape(b, r * n), clean], axis=1)
     cos, sin = self._rotary(jnp.tile(jnp.arange(n), r + 1))
     kernel = _Staircase(r, self.config.block_size, impl, self.config.dtype)
-    x, _ = self._stack(self.embed_tokens(streams), cos, sin, kernel, [key_mask] * len(self.layers))
+    x, _ = self._stack(self.embed_tokens(streams), cos, sin, kernel, [key_mask] * len(self.layers),
+                       keep_kv=False)
     hidden = self.norm(x[:, :r * n])
-    hidden = jnp.transpose(hidden.reshape(b, r, n, -1), (1, 0, 2, 3))
+    hidden = constrain(jnp.transpose(hidden.reshape(b, r, n, -1), (1, 0, 2, 3)),
+                       (None, "batch", None, None))
     return hidden[0] if squeeze else hidden
 
   def staircase(self, noisy: Array, clean: Array, attention_mask: Array | None = None, *,

@@ -3,7 +3,7 @@
 Field names mirror the keys of SDAR's Hugging Face `config.json` (Qwen3 names: `hidden_size`,
 `num_attention_heads`, ... plus SDAR's `block_size` and `mask_token_id`), so that a checkpoint's
 config maps onto this dataclass one to one (see `hf_io.py`). As in `config.py`, the dtype fields
-and `remat` choose how the model is stored and run, not what it computes.
+`remat` and `scan_layers` choose how the model is stored and run, not what it computes.
 
 The released SDAR-1.7B-Chat config.json (JetLM) has: hidden_size 2048, 28 layers, 16 query and 8
 key/value heads, head_dim 128, intermediate_size 6144, vocab_size 151936, rms_norm_eps 1e-6,
@@ -44,6 +44,8 @@ class SDARConfig:
     max_position_embeddings: informational (written back to config.json); RoPE needs no table.
     param_dtype, dtype, logits_dtype: storage, compute and logits dtypes.
     remat: rematerialize each layer in the backward pass.
+    scan_layers: the layers but the last as one `lax.scan` over their stacked parameters in the
+      full-sequence and staircase passes (`models/scan.py`; not in cached decoding).
   """
 
   hidden_size: int
@@ -63,6 +65,7 @@ class SDARConfig:
   dtype: Any = jnp.float32
   logits_dtype: Any = jnp.float32
   remat: bool = False
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -49,8 +49,8 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype of activations
       param_dtype="float32",
       remat=False,
-      # LLaDA: run the blocks as a lax.scan over their stacked parameters (ModelConfig.scan_layers:
-      # with FSDP, one layer's kernels gathered and one layer's gradients reduced at a time).
+      # Run the layers as a lax.scan over their stacked parameters (models/scan.py: with FSDP,
+      # one layer's kernels gathered and one layer's gradients reduced at a time).
       scan_layers=False,
   ))
   c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
@@ -165,7 +165,7 @@ def sdar8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
   """
   c = _paper_setting(task, learning_rate)
   c.model.update(family="sdar", name="sdar_8b", checkpoint="/path/to/SDAR-8B-Chat",
-                 dtype="bfloat16", param_dtype="bfloat16", remat=True)
+                 dtype="bfloat16", param_dtype="bfloat16", remat=True, scan_layers=True)
   c.tokenizer.update(kind="sdar", path="/path/to/SDAR-8B-Chat/tokenizer.json")
   c.rollout.update(steps=256, block_length=4, remasking="low_confidence_dynamic",
                    threshold=0.9)
@@ -211,8 +211,6 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[model_family.Fam
   """
   family = model_family.get(config.model.family)
   model_family.resolve_overrides(family, dict(config.model.overrides))
-  _require(not config.model.scan_layers or family.name == "llada", "model.scan_layers",
-           f"only the llada family scans its layers (model.family={family.name!r})")
   if config.model.checkpoint:
     return family, None
   _require(config.model.name in family.config_names, "model.name",

@@ -228,7 +228,7 @@ def named_block_size(config: ml_collections.ConfigDict) -> int | None:
 
 
 def run_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Model config fields beyond dtypes and remat that the run sets: LLaDA's ``scan_layers``."""
+  """Model config fields beyond dtypes and remat that the run sets: ``scan_layers``."""
   return {"scan_layers": True} if config.model.get("scan_layers", False) else {}
 
 
