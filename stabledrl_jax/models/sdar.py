@@ -301,12 +301,12 @@ class SDAR(nnx.Module):
 
   def __call__(self, tokens: Array, attention_mask: Array | None = None) -> Array:
     """tokens: [B, L] int -> logits [B, L, vocab_size], block-causal (see `encode`)."""
-    return self.unembed(self.encode(tokens, attention_mask))
+    return constrain(self.unembed(self.encode(tokens, attention_mask)), ("batch", None, "vocab"))
 
   # -- the staircase layout -------------------------------------------------
 
   def staircase_encode(self, noisy: Array, clean: Array, attention_mask: Array | None = None, *,
-                       impl: str = "split") -> Array:
+                       impl: str = "split", batch_major: bool = False) -> Array:
     """Final hidden states (after `norm`) of the noisy streams of [x_t^1 ; ... ; x_t^R ; x_0].
 
     Noisy block k sees itself and the clean blocks < k; the clean stream is block-causal and
@@ -318,6 +318,7 @@ class SDAR(nnx.Module):
       clean: [B, n] int, x_0. n must be a multiple of block_size.
       attention_mask: [B, n] bool, False for padding positions (of every stream), or None.
       impl: 'split' (no (R+1)n x (R+1)n array; the default) or 'dense' (the dense mask).
+      batch_major: return [B, R * n, D] (stream r at [r n, (r + 1) n)) instead.
 
     Returns:
       [B, n, D] for noisy [B, n], or [R, B, n, D] for noisy [R, B, n], in the compute dtype.
@@ -340,6 +341,8 @@ class SDAR(nnx.Module):
     x, _ = self._stack(self.embed_tokens(streams), cos, sin, kernel, [key_mask] * len(self.layers),
                        keep_kv=False)
     hidden = self.norm(x[:, :r * n])
+    if batch_major:  # [B, R n, D]: rows that stay split over the batch when flattened.
+      return hidden
     hidden = constrain(jnp.transpose(hidden.reshape(b, r, n, -1), (1, 0, 2, 3)),
                        (None, "batch", None, None))
     return hidden[0] if squeeze else hidden
@@ -354,7 +357,17 @@ class SDAR(nnx.Module):
     Returns:
       logits [B, n, V] for noisy [B, n], or [R, B, n, V] for noisy [R, B, n].
     """
-    return self.unembed(self.staircase_encode(noisy, clean, attention_mask, impl=impl))
+    squeeze = noisy.ndim == 2
+    streams = noisy[None] if squeeze else noisy
+    r, b, n = streams.shape
+    # The head runs on batch-major rows: flattening [R, B, n, D] puts the split batch axis
+    # second, and GSPMD then splits the model dimension instead, every device computing (and
+    # all-reducing) every row's [n, V] logits.
+    hidden = self.staircase_encode(streams, clean, attention_mask, impl=impl, batch_major=True)
+    logits = constrain(self.unembed(hidden), ("batch", None, "vocab"))
+    logits = constrain(jnp.transpose(logits.reshape(b, r, n, -1), (1, 0, 2, 3)),
+                       (None, "batch", None, "vocab"))
+    return logits[0] if squeeze else logits
 
   # -- cached decoding ------------------------------------------------------
 
