@@ -359,11 +359,11 @@ class SDAR(nnx.Module):
     """
     squeeze = noisy.ndim == 2
     streams = noisy[None] if squeeze else noisy
-    r, b, n = streams.shape
     # The head runs on batch-major rows: flattening [R, B, n, D] puts the split batch axis
     # second, and GSPMD then splits the model dimension instead, every device computing (and
     # all-reducing) every row's [n, V] logits.
     hidden = self.staircase_encode(streams, clean, attention_mask, impl=impl, batch_major=True)
+    r, b, n = streams.shape
     logits = constrain(self.unembed(hidden), ("batch", None, "vocab"))
     logits = constrain(jnp.transpose(logits.reshape(b, r, n, -1), (1, 0, 2, 3)),
                        (None, "batch", None, "vocab"))
