@@ -178,9 +178,7 @@ def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> mode
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
     return models.load_config(config.model.checkpoint, dtype=dtype, param_dtype=dtype)
-  # Only a character tokenizer changes the shapes, and it needs no file.
-  tokenizer = data.make_tokenizer(config.tokenizer) if config.tokenizer.kind == "char" else None
-  return dataclasses.replace(model_family.model_config(config, tokenizer), dtype=dtype,
+  return dataclasses.replace(model_family.model_config(config), dtype=dtype,
                              param_dtype=dtype, remat=False)
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from stabledrl_jax import block_sampling, models, sampling
+from stabledrl_jax.training import data
 
 Array = jax.Array
 
@@ -232,17 +233,19 @@ def run_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return {"scan_layers": True} if config.model.get("scan_layers", False) else {}
 
 
-def model_config(config: ml_collections.ConfigDict, tokenizer) -> Any:
+def model_config(config: ml_collections.ConfigDict, tokenizer=None) -> Any:
   """The config of a fresh model: ``model.name`` of ``model.family`` with its overrides.
 
-  A character tokenizer sets the vocabulary and the mask and EOS ids; a Hugging Face tokenizer
-  comes with a checkpoint, whose config.json holds them.
+  A character tokenizer sets the vocabulary and the mask and EOS ids (``tokenizer``, or built
+  from ``config.tokenizer``: it needs no file); a Hugging Face tokenizer comes with a checkpoint,
+  whose config.json holds them.
   """
   family = get(config.model.family)
   overrides = resolve_overrides(family, dict(config.model.overrides))
   overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
                    remat=config.model.remat, **run_options(config))
   if config.tokenizer.kind == "char":
+    tokenizer = tokenizer or data.make_tokenizer(config.tokenizer)
     overrides.update({field: tokenizer.vocab_size for field in family.vocab_fields})
     overrides.update(mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
   return family.get_config(config.model.name, **overrides)

@@ -133,9 +133,7 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
     ``TrainState``, a ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
   """
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  # Only a character tokenizer changes the shapes, and it needs no file.
-  tokenizer = data.make_tokenizer(config.tokenizer) if config.tokenizer.kind == "char" else None
-  model_cfg = model_family.model_config(config, tokenizer)
+  model_cfg = model_family.model_config(config)
   graphdef, params = nnx.split(
       nnx.eval_shape(lambda: models.init_model(model_cfg, seed=config.seed)), nnx.Param)
   params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
