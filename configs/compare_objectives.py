@@ -15,6 +15,9 @@ from stabledrl_jax.training import config_lib
 
 def get_config():
   c = config_lib.from_file(pathlib.Path(__file__).with_name("quickstart.py"))
+  # Each objective with its official estimator (the quickstart pins StableDRL's).
+  c.estimator.update(method="", num_samples=None)
+  c.objective.stabledrl.surrogate = "sandwich"
   c.train.num_steps = 60
   c.eval.every_steps = 20
   c.checkpoint.update(every_steps=1000, max_to_keep=1)  # Only the last step.

@@ -19,6 +19,9 @@ from stabledrl_jax.training import config_lib
 
 def get_config():
   c = config_lib.from_file(pathlib.Path(__file__).with_name("quickstart.py"))
+  # Each objective with its official estimator (the quickstart pins StableDRL's).
+  c.estimator.update(method="", num_samples=None)
+  c.objective.stabledrl.surrogate = "sandwich"
   c.rollout.update(num_prompts=8, group_size=8, steps=20)
   c.train.update(num_steps=20, num_iterations=2)
   c.optimizer.update(grad_clip=1.0)

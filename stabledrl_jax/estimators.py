@@ -26,9 +26,19 @@ numerator and the denominator of a ratio, or replaced (stress test):
   ``(1 - (1 - t)^L) / t`` keeps the sum form an unbiased ELBO estimate);
   ``schedule="count"`` masks exactly ``m = ceil(t L)`` tokens with weight
   ``L / m``. ``coupled=True`` adds the complementary mask of each sample.
-* ``block_random`` (SPG): a random block of ``block_length`` completion tokens;
-  earlier blocks clean, later blocks masked and not scored; a uniform count in
-  [1, block size] masked inside the block.
+* ``block_random`` (SPG and StableDRL, by their official rules): one block of
+  ``block_length`` per sample, drawn from a random permutation of the generation's
+  blocks; a uniform count in [1, m] of its m completion tokens masked, every later
+  position masked, every earlier one (prompt included) masked with probability
+  ``prompt_mask_prob``; the mean log-prob over every masked completion token.
+  ``block_random_unbiased`` is an unbiased variant (earlier blocks clean, only the
+  chosen block scored, inverse-probability weights).
+* ``espo_elbo`` (ESPO): exact mask counts stratified over the batch, each mask with
+  its complement, the whole generation (past the first EOS too) masked and scored.
+
+Positions after the completion (after its first EOS) are masked input for every
+other method, never visible context, as in d1's, SPG's and StableDRL's code
+(``past_completion``). docs/algorithms.md states each method with its sources.
 
 ``eubo_from_samples`` turns the same token log-probs into SPG's upper bound
 EUBO_beta, and ``stress_masks`` builds the importance-weight-explosion masks
@@ -58,10 +68,11 @@ class MaskSample:
     sum_scale: [R, B] weight of each row's summed scored log-probs in the
       sum-form estimate (includes the 1/K of the Monte Carlo average).
     mean_scale: [R, B] the same for the length-normalized (mean) form.
-    rate: [R, B] t_hat, the row's mask rate: the masked fraction of the
-      completion (``m / L``) for ELBO rows, 1 for mean-field rows, and
-      ``m / (num_blocks * block size)`` for block_random rows, so that
-      ``1[scored] / t_hat`` has expectation 1 for every token.
+    rate: [R, B] t_hat, the row's mask rate: the scored fraction of the
+      completion (``m / L``) for ELBO and block_random rows, 1 for mean-field
+      rows, and ``m / (num_blocks * block size)`` for block_random_unbiased
+      rows, so that ``1[scored] / t_hat`` has expectation 1 for every token
+      there.
   """
 
   noisy: Array
@@ -109,14 +120,29 @@ def _completion_rank(completion_mask: Array) -> Array:
   return jnp.where(completion_mask, rank, -1)
 
 
-def _mask_prompt(key: Array, prompt_mask: Array, num_rows: int, prob: float) -> Array:
-  """[R, B, L] bool: each prompt token masked independently with ``prob``."""
+def past_completion(prompt_mask: Array, completion_mask: Array) -> Array:
+  """[..., L] bool: the generated positions after the completion (after its first EOS).
+
+  Neither prompt nor completion, but after the first prompt or completion token (so left
+  padding is not included). Every estimator feeds them as mask tokens, never as context.
+  """
+  content = prompt_mask | completion_mask
+  return ~content & (jnp.cumsum(content.astype(jnp.int32), axis=-1) > 0)
+
+
+def _bernoulli_subset(key: Array, eligible: Array, prob: float) -> Array:
+  """``eligible`` [..., L] bool, each position kept independently with ``prob``."""
   if not 0.0 <= prob <= 1.0:
     raise ValueError(f"prompt_mask_prob must lie in [0, 1], got {prob}.")
   if prob == 0.0:
-    return jnp.zeros((num_rows,) + prompt_mask.shape, dtype=bool)
-  draws = jax.random.bernoulli(key, prob, (num_rows,) + prompt_mask.shape)
-  return draws & prompt_mask[None]
+    return jnp.zeros_like(eligible)
+  return eligible & jax.random.bernoulli(key, prob, eligible.shape)
+
+
+def _mask_prompt(key: Array, prompt_mask: Array, num_rows: int, prob: float) -> Array:
+  """[R, B, L] bool: each prompt token masked independently with ``prob``."""
+  return _bernoulli_subset(key, jnp.broadcast_to(prompt_mask, (num_rows,) + prompt_mask.shape),
+                           prob)
 
 
 def _random_subset(key: Array, eligible: Array, count: Array) -> Array:
@@ -154,7 +180,8 @@ def _safe_div(num: Array, den: Array) -> Array:
 def _mean_field_masks(key: Array, prompt_mask: Array, completion_mask: Array,
                       num_samples: int, *, prompt_mask_prob: float = 0.15) -> MaskSample:
   k = num_samples
-  noisy = completion_mask[None] | _mask_prompt(key, prompt_mask, k, prompt_mask_prob)
+  generation = completion_mask | past_completion(prompt_mask, completion_mask)
+  noisy = generation[None] | _mask_prompt(key, prompt_mask, k, prompt_mask_prob)
   scored = jnp.broadcast_to(completion_mask[None], noisy.shape)
   length = jnp.sum(completion_mask, axis=-1).astype(jnp.float32)
   ones = jnp.ones((k,) + length.shape, jnp.float32)
@@ -235,31 +262,121 @@ def _elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
                                   _safe_div(jnp.ones_like(count), count_c * 2.0)]) / k
     rate = jnp.concatenate([rate, _safe_div(count_c, length[None])])
   rows = masked.shape[0]
-  noisy = masked | _mask_prompt(key_prompt, prompt_mask, rows, prompt_mask_prob)
+  noisy = (masked | past_completion(prompt_mask, completion_mask)[None]
+           | _mask_prompt(key_prompt, prompt_mask, rows, prompt_mask_prob))
   return MaskSample(noisy=noisy, scored=masked, sum_scale=sum_scale,
                     mean_scale=mean_scale, rate=rate)
+
+
+def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                     num_samples: int) -> MaskSample:
+  """ESPO's ELBO: exact counts stratified over the batch, each mask paired with its complement.
+
+  The pool is the whole generation (the completion and the positions after it), all of it
+  scored, as ESPO's code scores every generated position. Per sample k a shift u_k ~ U{0..L}
+  sets row i's count ``x = round(u_k + i (L + 1) / B) mod (L + 1)`` (so x = 0 and x = L occur);
+  x uniformly chosen positions are masked, weighted ``(L + 1) / x``, and the complement
+  ``(L + 1) / (L - x)``; the two halves are averaged (each is unbiased on its own). Prompts stay
+  clean. The mean form divides by L.
+  """
+  key_shift, key_mask = jax.random.split(key)
+  k = num_samples
+  batch = completion_mask.shape[0]
+  pool = completion_mask | past_completion(prompt_mask, completion_mask)
+  length = jnp.sum(pool, axis=-1).astype(jnp.float32)  # [B] L
+  shift = jnp.floor(jax.random.uniform(key_shift, (k, 1)) * (length[None] + 1))
+  row = jnp.arange(batch, dtype=jnp.float32)[None]
+  count = jnp.mod(jnp.round(shift + row * (length[None] + 1) / batch), length[None] + 1)
+  masked = _random_subset(key_mask, jnp.broadcast_to(pool, (k,) + pool.shape),
+                          count.astype(jnp.int32))
+  complement = pool[None] & ~masked
+  scale = jnp.concatenate([_safe_div(length[None] + 1, 2 * count),
+                           _safe_div(length[None] + 1, 2 * (length[None] - count))]) / k
+  rows = jnp.concatenate([masked, complement])
+  counts = jnp.concatenate([count, length[None] - count])
+  return MaskSample(noisy=rows, scored=rows, sum_scale=scale,
+                    mean_scale=_safe_div(scale, length[None]),
+                    rate=_safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))
+
+
+def _generation_blocks(prompt_mask: Array, completion_mask: Array,
+                       block_length: int) -> tuple[Array, Array, Array]:
+  """The generation's blocks: (block of each position [B, L], -1 outside the generation;
+  number of generation blocks [B]; number of blocks the completion spans [B]), both >= 1."""
+  if block_length < 1:
+    raise ValueError(f"block_length must be >= 1, got {block_length}.")
+  generation = completion_mask | past_completion(prompt_mask, completion_mask)
+  rank = jnp.cumsum(generation.astype(jnp.int32), axis=-1) - 1
+  block_of = jnp.where(generation, rank // block_length, -1)
+  ceil_div = lambda n: jnp.maximum(-(-n // block_length), 1)
+  return (block_of, ceil_div(jnp.sum(generation, axis=-1)),
+          ceil_div(jnp.sum(completion_mask, axis=-1)))
 
 
 def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
                         num_samples: int, *, block_length: int = 32,
                         prompt_mask_prob: float = 0.15) -> MaskSample:
-  if block_length < 1:
-    raise ValueError(f"block_length must be >= 1, got {block_length}.")
+  """SPG's and StableDRL's block_random masks, by the official rules (docs/algorithms.md).
+
+  Per row and sample k: the block is entry k of a random permutation of the generation's
+  blocks, modulo the blocks the completion spans (entry k mod #blocks when K exceeds them); a
+  uniform count in [1, m] of the block's m completion tokens is masked; every generation
+  position after the block is masked; every earlier position (prompt and earlier completion
+  blocks) is masked with probability ``prompt_mask_prob``; every completion token masked is
+  scored. Length-normalized (the mean over the scored tokens); the sum form is that mean times
+  the completion length. Not an unbiased ELBO: see ``_block_random_unbiased_masks``.
+  """
+  key_perm, key_count, key_mask, key_prompt = jax.random.split(key, 4)
+  k = num_samples
+  batch, length_max = completion_mask.shape
+  block_of, gen_blocks, completion_blocks = _generation_blocks(prompt_mask, completion_mask,
+                                                               block_length)
+  # A uniform permutation of each row's generation blocks: its first gen_blocks entries.
+  slots = -(-length_max // block_length)
+  priority = jnp.where(jnp.arange(slots) < gen_blocks[:, None],
+                       jax.random.uniform(key_perm, (batch, slots)), 2.0)
+  permutation = jnp.argsort(priority, axis=-1)  # [B, slots]
+  entry = jnp.arange(k)[:, None] % gen_blocks[None]  # [K, B]
+  block = jnp.take_along_axis(permutation, entry.T, axis=1).T % completion_blocks[None]
+  length = jnp.sum(completion_mask, axis=-1).astype(jnp.int32)  # [B]
+  valid = jnp.clip(length[None] - block * block_length, 0, block_length)  # [K, B] m
+  count = jnp.floor(jax.random.uniform(key_count, (k, batch)) * valid).astype(jnp.int32) + 1
+  count = jnp.minimum(count, valid)
+  chosen = block_of[None] == block[..., None]  # [K, B, L]
+  inside = _random_subset(key_mask, chosen & completion_mask[None], count)
+  later = block_of[None] > block[..., None]
+  earlier = (prompt_mask | completion_mask)[None] & ~chosen & ~later
+  past = past_completion(prompt_mask, completion_mask)[None]
+  noisy = inside | later | past | _bernoulli_subset(key_prompt, earlier, prompt_mask_prob)
+  scored = noisy & completion_mask[None]
+  scored_count = jnp.sum(scored, axis=-1).astype(jnp.float32)
+  length_f = length[None].astype(jnp.float32)
+  mean_scale = _safe_div(jnp.ones_like(scored_count), scored_count) / k
+  return MaskSample(noisy=noisy, scored=scored, sum_scale=mean_scale * length_f,
+                    mean_scale=mean_scale, rate=_safe_div(scored_count, length_f))
+
+
+def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                                 num_samples: int, *, block_length: int = 32,
+                                 prompt_mask_prob: float = 0.15) -> MaskSample:
+  """An unbiased variant of block_random: a uniformly chosen completion block, earlier blocks
+  clean, later ones masked and not scored, a uniform count in [1, m] masked inside the block,
+  each scored token weighted by the inverse of its probability of being scored."""
   key_block, key_count, key_mask, key_prompt = jax.random.split(key, 4)
   k = num_samples
   batch = completion_mask.shape[0]
   length = jnp.sum(completion_mask, axis=-1).astype(jnp.int32)  # [B]
-  num_blocks = -(-length // block_length)  # ceil
+  block_of, _, num_blocks = _generation_blocks(prompt_mask, completion_mask, block_length)
+  num_blocks = num_blocks * (length > 0)
   block = jax.random.randint(key_block, (k, batch), 0, jnp.maximum(num_blocks, 1))
   block_size = jnp.clip(length[None] - block * block_length, 0, block_length)  # [K, B]
   count = jnp.floor(jax.random.uniform(key_count, (k, batch)) * block_size) + 1
   count = jnp.minimum(count, block_size).astype(jnp.int32)
-  rank = _completion_rank(completion_mask)[None]  # [1, B, L]
-  block_of = jnp.where(rank >= 0, rank // block_length, -1)
-  in_block = block_of == block[..., None]
-  later = block_of > block[..., None]
+  in_block = (block_of[None] == block[..., None]) & completion_mask[None]
+  later = block_of[None] > block[..., None]
   masked = _random_subset(key_mask, in_block, count)
-  noisy = masked | later | _mask_prompt(key_prompt, prompt_mask, k, prompt_mask_prob)
+  noisy = (masked | later | past_completion(prompt_mask, completion_mask)[None]
+           | _mask_prompt(key_prompt, prompt_mask, k, prompt_mask_prob))
   # One of num_blocks blocks, m of its n tokens: a token is scored with
   # probability m / (num_blocks * n), so weighting by the inverse makes the sum
   # form unbiased; dividing by L gives the per-token mean.
@@ -275,6 +392,8 @@ MASK_SAMPLERS: dict[str, Callable[..., MaskSample]] = {
     "mean_field": _mean_field_masks,
     "elbo": _elbo_masks,
     "block_random": _block_random_masks,
+    "block_random_unbiased": _block_random_unbiased_masks,
+    "espo_elbo": _espo_elbo_masks,
 }
 
 
@@ -286,7 +405,7 @@ def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
     key: PRNG key; the same key gives the same masks (coupled ratios).
     prompt_mask: [B, L] bool, prompt tokens.
     completion_mask: [B, L] bool, completion tokens that count (no padding).
-    method: 'mean_field', 'elbo' or 'block_random'.
+    method: a name in ``MASK_SAMPLERS``.
     num_samples: K.
     **options: method options (``prompt_mask_prob``, ``schedule``,
       ``coupled``, ``block_length``).
@@ -387,7 +506,7 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
     prompt_mask: [B, L] bool, prompt tokens x.
     completion_mask: [B, L] bool, completion tokens y that count (no padding).
     key: PRNG key (unused when ``masks`` is given).
-    method: 'mean_field', 'elbo' or 'block_random'.
+    method: a name in ``MASK_SAMPLERS``.
     mask_id: the mask token id.
     num_samples: K Monte Carlo samples, scored in one batched forward pass.
     normalize: 'sum' (log-likelihood) or 'mean' (per completion token).
@@ -477,8 +596,8 @@ def stress_masks(prompt_mask: Array, completion_mask: Array, *, mode: str,
     raise ValueError(f"mode must be 'easy' or 'hard', got {mode!r}.")
   if not 0.0 < rate <= 1.0:
     raise ValueError(f"rate must lie in (0, 1], got {rate}.")
-  del prompt_mask  # Kept in the signature so that callers pass the same masks.
   completion_mask = completion_mask.astype(bool)
+  past = past_completion(prompt_mask.astype(bool), completion_mask)
   length = jnp.sum(completion_mask, axis=-1)
   count = jnp.clip(jnp.ceil(rate * length), 1, jnp.maximum(length, 1)) * (length > 0)
   rank = _completion_rank(completion_mask)
@@ -489,7 +608,7 @@ def stress_masks(prompt_mask: Array, completion_mask: Array, *, mode: str,
   masked = jnp.broadcast_to(masked[None], (num_samples,) + masked.shape)
   count = jnp.broadcast_to(count[None].astype(jnp.float32), (num_samples,) + count.shape)
   length_f = jnp.broadcast_to(length[None].astype(jnp.float32), count.shape)
-  return MaskSample(noisy=masked, scored=masked,
+  return MaskSample(noisy=masked | past[None], scored=masked,
                     sum_scale=_safe_div(length_f, count) / num_samples,
                     mean_scale=_safe_div(jnp.ones_like(count), count) / num_samples,
                     rate=_safe_div(count, length_f))

@@ -131,10 +131,13 @@ def ratio_metrics(log_ratio: Array, advantages: Array, valid: Array, *,
 # ---------------------------------------------------------------------------
 
 
+ADVANTAGE_BASELINES = ("group_mean", "leave_one_out")
+
+
 def group_advantages(rewards: Array, group_size: int, *,
                      scale_by_std: bool = False, eps: float = 1e-6,
-                     ddof: int = 0) -> Array:
-  """Group-relative advantages ``A_j = r_j - mean_group(r)``.
+                     ddof: int = 0, baseline: str = "group_mean") -> Array:
+  """Group-relative advantages ``A_j = r_j - b_j``.
 
   Args:
     rewards: [N] rewards, N = P * G, each group of G contiguous.
@@ -142,14 +145,22 @@ def group_advantages(rewards: Array, group_size: int, *,
     scale_by_std: divide by ``(std_group(r) + eps)`` (GRPO's normalization).
     eps: added to the std so that a group of equal rewards gives A = 0.
     ddof: degrees of freedom of the std (0: population std, 1: unbiased).
+    baseline: 'group_mean' (b_j = mean_group(r)) or 'leave_one_out' (ESPO: b_j the mean of the
+      group's other G - 1 rewards, i.e. ``G / (G - 1) * (r_j - mean_group(r))``; needs G >= 2).
 
   Returns:
     [N] advantages, float32.
   """
   chex.assert_rank(rewards, 1)
+  if baseline not in ADVANTAGE_BASELINES:
+    raise ValueError(f"baseline must be one of {ADVANTAGE_BASELINES}, got {baseline!r}.")
   num_groups = _num_groups(rewards.shape[0], group_size)
   grouped = rewards.astype(jnp.float32).reshape(num_groups, group_size)
   centred = grouped - jnp.mean(grouped, axis=1, keepdims=True)
+  if baseline == "leave_one_out":
+    if group_size < 2:
+      raise ValueError("a leave-one-out baseline needs group_size >= 2.")
+    centred = centred * (group_size / (group_size - 1))
   if scale_by_std:
     if group_size - ddof < 1:
       raise ValueError(f"ddof={ddof} needs group_size > {ddof}.")
@@ -509,19 +520,29 @@ class ObjectiveInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """A registered objective.
+  """A registered objective, with the settings of its official code (docs/algorithms.md).
 
   Attributes:
     name: config name.
     fn: ``fn(inputs, *, group_size, **hparams) -> (loss, metrics)``.
     requires: names of ``ObjectiveInputs`` fields that must be set.
     normalize: the likelihood normalization it expects, 'sum' or 'mean'.
+    estimator: ``estimator(hparams) -> dict``, the official likelihood settings for these
+      hyperparameters: ``method`` (an ``estimators.MASK_SAMPLERS`` name), ``num_samples``,
+      ``coupled_ratio`` (l_old on each inner iteration's own masks) and mask-sampler options
+      (``prompt_mask_prob``, ``schedule``, ``coupled``). A config field left unset takes these.
+    baseline: the advantage baseline of its official code (``ADVANTAGE_BASELINES``).
+    uses_reference: ``uses_reference(hparams) -> bool``, whether it needs log-likelihoods under a
+      frozen reference policy (a KL term).
   """
 
   name: str
   fn: Callable[..., tuple[Array, Metrics]]
   requires: tuple[str, ...]
   normalize: str
+  estimator: Callable[[dict[str, Any]], dict[str, Any]]
+  baseline: str = "group_mean"
+  uses_reference: Callable[[dict[str, Any]], bool] = lambda hparams: False
 
   def __call__(self, inputs: ObjectiveInputs, *, group_size: int,
                **hparams: Any) -> tuple[Array, Metrics]:
@@ -534,15 +555,25 @@ class Objective:
 _OBJECTIVES: dict[str, Objective] = {}
 
 
-def register_objective(name: str, *, requires: tuple[str, ...] = (),
-                       normalize: str = "mean"):
-  """Decorator adding ``fn(inputs, *, group_size, **hparams)`` to the registry."""
+def register_objective(name: str, *, requires: tuple[str, ...] = (), normalize: str = "mean",
+                       estimator: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]],
+                       baseline: str = "group_mean",
+                       uses_reference: Callable[[dict[str, Any]], bool] | None = None):
+  """Decorator adding ``fn(inputs, *, group_size, **hparams)`` to the registry.
+
+  ``estimator`` (a dict, or a function of the hyperparameters returning one), ``baseline`` and
+  ``uses_reference``: see :class:`Objective`.
+  """
+  if baseline not in ADVANTAGE_BASELINES:
+    raise ValueError(f"baseline must be one of {ADVANTAGE_BASELINES}, got {baseline!r}.")
+  estimator_of = estimator if callable(estimator) else lambda hparams: dict(estimator)
 
   def decorator(fn):
     if name in _OBJECTIVES:
       raise ValueError(f"Objective {name!r} is already registered.")
-    _OBJECTIVES[name] = Objective(name, fn, ("logp", "advantages") + requires,
-                                  normalize)
+    _OBJECTIVES[name] = Objective(name, fn, ("logp", "advantages") + requires, normalize,
+                                  estimator_of, baseline,
+                                  uses_reference or (lambda hparams: False))
     return fn
 
   return decorator
@@ -573,9 +604,18 @@ def surrogate_logp(inputs: ObjectiveInputs, surrogate: str, omega: float = 0.5) 
   raise ValueError(f"surrogate must be 'elbo' or 'sandwich', got {surrogate!r}.")
 
 
-@register_objective("grpo", requires=("old_logp",), normalize="sum")
-def _grpo(inputs: ObjectiveInputs, *, group_size: int, epsilon_low: float = 0.2,
-          epsilon_high: float = 0.2, beta: float = 0.0,
+def _grpo_estimator(hparams: dict[str, Any]) -> dict[str, Any]:
+  """d1 (token level): one mean-field sample, prompt tokens masked at 0.15, old and reference
+  log-probs on each iteration's own masks. The sequence level scores an ELBO instead."""
+  if hparams.get("level", "token") == "token":
+    return dict(method="mean_field", num_samples=1, prompt_mask_prob=0.15, coupled_ratio=True)
+  return dict(method="elbo", num_samples=2, coupled_ratio=True)
+
+
+@register_objective("grpo", requires=("old_logp",), normalize="sum", estimator=_grpo_estimator,
+                    uses_reference=lambda hparams: hparams.get("beta", 0.04) > 0)
+def _grpo(inputs: ObjectiveInputs, *, group_size: int, epsilon_low: float = 0.5,
+          epsilon_high: float = 0.5, beta: float = 0.04,
           kl_estimator: str = "k3") -> tuple[Array, Metrics]:
   del group_size  # Advantages already carry the group structure.
   return grpo_loss(inputs.logp, inputs.old_logp, inputs.advantages,
@@ -584,16 +624,27 @@ def _grpo(inputs: ObjectiveInputs, *, group_size: int, epsilon_low: float = 0.2,
                    kl_estimator=kl_estimator)
 
 
-@register_objective("espo", requires=("old_logp",), normalize="sum")
+# ESPO: its own ELBO (count schedule stratified over the batch, complementary pass, the whole
+# generation scored), two samples, masks shared with pi_old and the reference, leave-one-out
+# advantages, a k2 KL (beta 1e-3: its GSM8K and MATH scripts).
+@register_objective("espo", requires=("old_logp",), normalize="sum",
+                    estimator=dict(method="espo_elbo", num_samples=2, coupled_ratio=True),
+                    baseline="leave_one_out",
+                    uses_reference=lambda hparams: hparams.get("beta", 1e-3) > 0)
 def _espo(inputs: ObjectiveInputs, *, group_size: int, gen_length: int,
-          epsilon: float = 0.2, beta: float = 0.0) -> tuple[Array, Metrics]:
+          epsilon: float = 0.2, beta: float = 1e-3) -> tuple[Array, Metrics]:
   del group_size
   return espo_loss(inputs.logp, inputs.old_logp, inputs.advantages, gen_length,
                    epsilon=epsilon, sample_mask=inputs.mask,
                    ref_elbo=inputs.ref_logp, beta=beta)
 
 
-@register_objective("spg", requires=("lengths",), normalize="mean")
+# SPG and StableDRL: block_random masks, two samples, prompt and earlier blocks masked at 0.15.
+_BLOCK_RANDOM = dict(method="block_random", num_samples=2, prompt_mask_prob=0.15,
+                     coupled_ratio=False)
+
+
+@register_objective("spg", requires=("lengths",), normalize="mean", estimator=_BLOCK_RANDOM)
 def _spg(inputs: ObjectiveInputs, *, group_size: int, surrogate: str = "sandwich",
          omega: float = 0.5) -> tuple[Array, Metrics]:
   del group_size
@@ -601,16 +652,20 @@ def _spg(inputs: ObjectiveInputs, *, group_size: int, surrogate: str = "sandwich
                   inputs.lengths, sample_mask=inputs.mask)
 
 
-@register_objective("wd1", normalize="sum")
+@register_objective("wd1", normalize="sum",  # d1's mean field, one sample.
+                    estimator=dict(method="mean_field", num_samples=1, prompt_mask_prob=0.15,
+                                   coupled_ratio=False))
 def _wd1(inputs: ObjectiveInputs, *, group_size: int) -> tuple[Array, Metrics]:
   return wd1_loss(inputs.logp, inputs.advantages, group_size,
                   sample_mask=inputs.mask)
 
 
-@register_objective("stabledrl", requires=("old_logp",), normalize="mean")
+# StableDRL: SPG's masks and sandwich; l_old once per rollout on independent masks.
+@register_objective("stabledrl", requires=("old_logp",), normalize="mean",
+                    estimator=_BLOCK_RANDOM)
 def _stabledrl(inputs: ObjectiveInputs, *, group_size: int,
                min_ratio: float = 0.0, max_ratio: float = 5.0,
-               normalize_over: str = "group", surrogate: str = "elbo",
+               normalize_over: str = "group", surrogate: str = "sandwich",
                omega: float = 0.5) -> tuple[Array, Metrics]:
   log_ratio = inputs.logp - inputs.old_logp
   return stabledrl_loss(surrogate_logp(inputs, surrogate, omega), log_ratio,

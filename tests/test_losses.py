@@ -357,9 +357,10 @@ def test_registered_objectives_agree_with_direct_calls():
   sdrl, _ = losses.get_objective("stabledrl")(inputs, group_size=g, surrogate="sandwich")
   s = np.where(adv > 0, logp, 0.5 * eubo + 0.5 * logp)
   np.testing.assert_allclose(sdrl, np_stabledrl(s, logp - old, adv, g), rtol=1e-5)
-  grpo, _ = losses.get_objective("grpo")(inputs, group_size=g, epsilon_low=0.5, epsilon_high=0.5)
+  grpo, _ = losses.get_objective("grpo")(inputs, group_size=g, epsilon_low=0.5, epsilon_high=0.5,
+                                         beta=0.0)
   np.testing.assert_allclose(grpo, np_grpo(logp, old, adv, 0.5, 0.5), rtol=1e-5)
-  espo, _ = losses.get_objective("espo")(inputs, group_size=g, gen_length=16)
+  espo, _ = losses.get_objective("espo")(inputs, group_size=g, gen_length=16, beta=0.0)
   np.testing.assert_allclose(espo, np_grpo(logp / 16, old / 16, adv), rtol=1e-5)
   spg, _ = losses.get_objective("spg")(inputs, group_size=g)
   np.testing.assert_allclose(spg, np_spg(s, adv, lengths), rtol=1e-5)
@@ -387,7 +388,7 @@ class JitAgreementTest(chex.TestCase, parameterized.TestCase):
     inputs = losses.ObjectiveInputs(
         logp=jnp.asarray(logp), advantages=jnp.asarray(adv),
         old_logp=jnp.asarray(logp - log_ratio), eubo=jnp.asarray(logp + 1.0),
-        lengths=jnp.full((n,), 7.0), mask=jnp.arange(n) != 2)
+        ref_logp=jnp.asarray(logp - 0.3), lengths=jnp.full((n,), 7.0), mask=jnp.arange(n) != 2)
     hparams = {"gen_length": 32} if name == "espo" else {}
     fn = self.variant(functools.partial(losses.get_objective(name), group_size=g, **hparams))
     loss, metrics = fn(inputs)

@@ -143,8 +143,8 @@ def test_every_objective_updates_an_sdar_model(objective, extra):
   update = jax.jit(functools.partial(
       train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective=objective,
       hparams=config_lib.objective_hparams(config), group_size=4, num_microbatches=2,
-      use_reference=False))
-  new_state, metrics = update(state, batch.replace(old_logp=old, ref_logp=jnp.zeros_like(old)),
+      use_reference=config_lib.uses_reference(config)))
+  new_state, metrics = update(state, batch.replace(old_logp=old, ref_logp=old - 0.1),
                               jax.random.key(2))
   assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0
   assert float(metrics["grad_norm"]) > 0

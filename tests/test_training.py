@@ -1,6 +1,7 @@
 """The trainer: config validation, every objective, skip-on-NaN, kill-and-resume, 8 devices."""
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -20,7 +21,7 @@ from flax import nnx
 
 from stabledrl_jax import estimators, losses, models
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer, model_family
-from stabledrl_jax.training import rl_loss
+from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss
 from stabledrl_jax.training import sweep, train_step, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -110,11 +111,13 @@ def test_token_level_grpo_needs_mean_field():
     config_lib.validate(config)
 
 
-def test_kl_needs_a_reference_model():
-  config = tiny_config(**{"objective.name": "grpo", "objective.grpo.beta": 0.04,
-                          "estimator.method": ""})
-  with pytest.raises(ValueError, match="train.reference_model"):
-    config_lib.validate(config)
+def test_a_kl_term_keeps_a_reference_model():
+  config = tiny_config(**{"objective.name": "grpo", "estimator.method": ""})
+  assert config.objective.grpo.beta == 0.04 and config_lib.uses_reference(config)  # d1's
+  assert not config_lib.uses_reference(tiny_config(**{"objective.name": "grpo",
+                                                      "estimator.method": "",
+                                                      "objective.grpo.beta": 0.0}))
+  assert not config_lib.uses_reference(tiny_config(**{"objective.name": "stabledrl"}))
 
 
 def test_mesh_must_match_the_devices():
@@ -549,3 +552,47 @@ def test_eight_fake_devices_give_the_same_losses(tmp_path, sft_start):
   assert single["devices"] == 1 and sharded["devices"] == 8
   np.testing.assert_allclose(sharded["reward"], single["reward"], atol=1e-6)
   np.testing.assert_allclose(sharded["loss"], single["loss"], atol=1e-5)
+
+
+@pytest.mark.parametrize("param_dtype,min_changed,max_changed", [
+    ("float32", 0.99, 1.0),  # Master weights: every weight moves.
+    ("bfloat16", 0.0, 0.2),  # The failure it prevents: most updates round away.
+])
+def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed, max_changed):
+  """One AdamW update at the paper's lr 2e-6 (wd 0.1, clip 0.2) on weights of std 0.02,
+  computed in bfloat16: with float32 parameters at least 99% of the weights change."""
+  config = tiny_config(**{"model.dtype": "bfloat16", "model.param_dtype": param_dtype,
+                          "optimizer.learning_rate": 2e-6, "optimizer.weight_decay": 0.1,
+                          "optimizer.grad_clip": 0.2, "objective.name": "stabledrl"})
+  model = models.init_model(model_family.model_config(config), seed=0)
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(  # Matrices of std 0.02 (norm scales stay 1), stored in param_dtype.
+      lambda p, k: (0.02 * jax.random.normal(k, p.shape)).astype(p.dtype) if p.ndim > 1 else p,
+      params,
+      jax.tree.unflatten(jax.tree.structure(params),
+                         list(jax.random.split(jax.random.key(0), len(jax.tree.leaves(params))))))
+  assert all(p.dtype == jnp.dtype(param_dtype) for p in jax.tree.leaves(params))
+  tx = optimizer_lib.make_optimizer(config.optimizer, 10)
+  state = train_step.create_train_state(params, tx, seed=0)
+  assert all(m.dtype == jnp.dtype(param_dtype) for m in jax.tree.leaves(state.opt_state)
+             if hasattr(m, "dtype") and m.ndim)
+  n, prompt, gen = 8, config.rollout.prompt_length, config.rollout.gen_length
+  length = prompt + gen
+  tokens = jax.random.randint(jax.random.key(1), (n, length), 0, model.config.vocab_size - 1)
+  positions = jnp.arange(length)[None]
+  batch = rl_loss.RolloutBatch(
+      tokens=tokens, prompt_mask=jnp.broadcast_to(positions < prompt, (n, length)),
+      completion_mask=jnp.broadcast_to(positions >= prompt, (n, length)),
+      attention_mask=jnp.ones((n, length), bool),
+      advantages=jnp.tile(jnp.array([1.0, -1.0]), n // 2), old_logp=jnp.zeros(n),
+      ref_logp=jnp.zeros(n))
+  spec = config_lib.likelihood_spec(config, model.config.mask_token_id)
+  new_state, metrics = jax.jit(functools.partial(
+      train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
+      hparams=config_lib.objective_hparams(config), group_size=config.rollout.group_size,
+      num_microbatches=1, use_reference=False))(state, batch, jax.random.key(2))
+  assert int(metrics["skipped"]) == 0
+  changed = sum(int(jnp.sum(a != b)) for a, b in zip(jax.tree.leaves(new_state.params),
+                                                    jax.tree.leaves(params)))
+  total = sum(p.size for p in jax.tree.leaves(params))
+  assert min_changed <= changed / total <= max_changed, changed / total

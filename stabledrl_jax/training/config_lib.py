@@ -9,27 +9,22 @@ offending field.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import pathlib
 from typing import Any
 
 import ml_collections
+from ml_collections import config_dict
 
-from stabledrl_jax import losses
+from stabledrl_jax import estimators, losses
 from stabledrl_jax.training import model_family, rl_loss
 
-OBJECTIVE_NAMES = ("grpo", "espo", "spg", "wd1", "stabledrl")
-ESTIMATOR_METHODS = ("mean_field", "elbo", "block_random")
-
-# The paper's estimator for each objective, used when config.estimator.method is ''.
-_DEFAULT_METHOD = {
-    ("grpo", "token"): "mean_field",
-    ("grpo", "sequence"): "elbo",
-    ("espo", None): "elbo",
-    ("spg", None): "block_random",
-    ("wd1", None): "mean_field",
-    ("stabledrl", None): "block_random",
-}
+# Estimator fields that, left unset (None or ''), take the objective's official value
+# (``losses.Objective.estimator``); ``block_length`` falls back to this.
+_ESTIMATOR_FIELDS = ("method", "num_samples", "normalize", "coupled_ratio", "block_length",
+                     "prompt_mask_prob", "schedule", "coupled")
+_DEFAULT_BLOCK_LENGTH = 32
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -69,27 +64,38 @@ def base_config() -> ml_collections.ConfigDict:
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
       block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9))
 
+  # Each objective's hyperparameters default to its official code's (docs/algorithms.md lists
+  # them with their sources). advantage_baseline: '' = the objective's own (group_mean, or ESPO's
+  # leave_one_out). A KL term (grpo/espo beta > 0) keeps a frozen copy of the start of RL.
   c.objective = ml_collections.ConfigDict(dict(
       name="stabledrl",
       scale_advantages_by_std=False,
+      advantage_baseline="",
       stabledrl=ml_collections.ConfigDict(dict(
           min_ratio=0.0, max_ratio=5.0, normalize_over="group", surrogate="sandwich",
           omega=0.5, eubo_beta=1.5)),
       grpo=ml_collections.ConfigDict(dict(
-          level="token", epsilon_low=0.5, epsilon_high=0.5, beta=0.0, kl_estimator="k3")),
-      espo=ml_collections.ConfigDict(dict(epsilon=0.2, beta=0.0)),
+          level="token", epsilon_low=0.5, epsilon_high=0.5, beta=0.04, kl_estimator="k3")),
+      espo=ml_collections.ConfigDict(dict(epsilon=0.2, beta=1e-3)),
       spg=ml_collections.ConfigDict(dict(surrogate="sandwich", omega=0.5, eubo_beta=1.5)),
       wd1=ml_collections.ConfigDict(),
   ))
+  # Every field left unset (None, or '') takes the value of the objective's official code
+  # (``estimator_settings``): method (a name of estimators.MASK_SAMPLERS), num_samples (K),
+  # normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's own masks, as d1 and ESPO;
+  # else once per rollout on independent masks, as StableDRL) and the mask sampler's options.
   # For SDAR the methods are block estimators (rl_loss's docstring): elbo and block_random the
   # block ELBO, mean_field whole blocks masked; block_length, prompt_mask_prob and schedule
   # do not apply.
   c.estimator = ml_collections.ConfigDict(dict(
-      method="",  # '' = the objective's own (see _DEFAULT_METHOD)
-      num_samples=2,
-      normalize="",  # '' = what the objective expects
-      coupled_ratio=False,  # same masks for l_theta and l_old (else independent, as official)
-      block_length=32, prompt_mask_prob=0.15, schedule="bernoulli", coupled=False,
+      method="",
+      num_samples=config_dict.placeholder(int),
+      normalize="",
+      coupled_ratio=config_dict.placeholder(bool),
+      block_length=config_dict.placeholder(int),
+      prompt_mask_prob=config_dict.placeholder(float),
+      schedule="",
+      coupled=config_dict.placeholder(bool),
       # Stress test (SPEC section 5): in this fraction of the samples (0: off), l_theta uses
       # "easy" masks (the last ceil(easy_rate * L) completion tokens, t_min) and l_old "hard"
       # ones (the first ceil(hard_rate * L), t_max), so that log rho explodes.
@@ -98,9 +104,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=1e-6, schedule="linear", warmup_steps=0, end_lr_factor=0.0,
       b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip=0.2))
+  # num_steps counts RL steps (rollout batches); each makes num_iterations optimizer updates,
+  # over which the learning-rate schedule runs (num_steps * num_iterations in all).
   c.train = ml_collections.ConfigDict(dict(
-      num_steps=2000, num_iterations=2, microbatch_groups=0,  # 0: the whole batch at once
-      max_consecutive_skips=10, reference_model=False,
+      num_steps=1000, num_iterations=2, microbatch_groups=0,  # 0: the whole batch at once
+      max_consecutive_skips=10,
       # Log StableDRL's convex-hull bound max_j |A_j| ||grad s_j|| per update (per-sample
       # gradients: memory grows as batch x parameters, so for small models).
       gradient_bound=False))
@@ -130,11 +138,11 @@ def _paper_setting(task: str, learning_rate: float) -> ml_collections.ConfigDict
   c.data.update(train="hub", eval="hub", train_size=0, eval_size=0)
   c.rollout.update(num_prompts=32, group_size=16, prompt_length=256, gen_length=256,
                    temperature=0.9)
-  c.estimator.update(method="block_random", num_samples=2, block_length=32,
-                     prompt_mask_prob=0.15)
   c.optimizer.update(learning_rate=learning_rate, schedule="linear", grad_clip=0.2,
                      weight_decay=0.1)
-  c.train.update(num_steps=2000, num_iterations=2, microbatch_groups=1)
+  # 2000 optimizer updates with linear decay over them (the official total_steps counts
+  # updates): 1000 rollout batches at mu = 2.
+  c.train.update(num_steps=1000, num_iterations=2, microbatch_groups=1)
   c.eval.update(every_steps=100, batch_size=64, steps=0)
   c.checkpoint.update(every_steps=50, max_to_keep=3)
   c.mesh.update(data=1, fsdp=-1, tensor=1)
@@ -147,8 +155,10 @@ def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict
   Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
   """
   c = _paper_setting(task, learning_rate)
+  # bfloat16 compute on float32 master weights (and AdamW moments): in bfloat16 an update of
+  # lr 2e-6 on a weight of size 0.02 rounds away.
   c.model.update(name="llada_8b", checkpoint="/path/to/LLaDA-8B-Instruct", dtype="bfloat16",
-                 param_dtype="bfloat16", remat=True, scan_layers=True)
+                 param_dtype="float32", remat=True, scan_layers=True)
   c.tokenizer.update(kind="llada", path="/path/to/LLaDA-8B-Instruct/tokenizer.json")
   c.rollout.update(steps=128, block_length=32)
   return c
@@ -165,7 +175,7 @@ def sdar8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
   """
   c = _paper_setting(task, learning_rate)
   c.model.update(family="sdar", name="sdar_8b", checkpoint="/path/to/SDAR-8B-Chat",
-                 dtype="bfloat16", param_dtype="bfloat16", remat=True, scan_layers=True)
+                 dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True)
   c.tokenizer.update(kind="sdar", path="/path/to/SDAR-8B-Chat/tokenizer.json")
   c.rollout.update(steps=256, block_length=4, remasking="low_confidence_dynamic",
                    threshold=0.9)
@@ -181,9 +191,42 @@ def objective_level(config: ml_collections.ConfigDict) -> str | None:
   return config.objective.grpo.level if config.objective.name == "grpo" else None
 
 
+def _objective_section(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  return dict(config.objective.get(config.objective.name, {}))
+
+
+def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The estimator fields, each unset one (None or '') filled in from the objective's official
+  settings (``losses.Objective.estimator``), then from the estimator's own defaults."""
+  objective = losses.get_objective(config.objective.name)
+  settings = {"normalize": objective.normalize, "block_length": _DEFAULT_BLOCK_LENGTH,
+              "coupled_ratio": False, "num_samples": 1}
+  settings.update(objective.estimator(_objective_section(config)))
+  for field in _ESTIMATOR_FIELDS:
+    value = config.estimator.get(field)
+    if value is not None and value != "":
+      settings[field] = value
+  return settings
+
+
 def estimator_method(config: ml_collections.ConfigDict) -> str:
-  return config.estimator.method or _DEFAULT_METHOD[(config.objective.name,
-                                                     objective_level(config))]
+  return estimator_settings(config)["method"]
+
+
+def sampler_options(method: str) -> tuple[str, ...]:
+  """The keyword options of ``method``'s mask sampler (estimators.MASK_SAMPLERS)."""
+  params = inspect.signature(estimators.MASK_SAMPLERS[method]).parameters.values()
+  return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def uses_reference(config: ml_collections.ConfigDict) -> bool:
+  """Whether the objective, with these hyperparameters, needs a frozen reference policy."""
+  return losses.get_objective(config.objective.name).uses_reference(_objective_section(config))
+
+
+def advantage_baseline(config: ml_collections.ConfigDict) -> str:
+  return (config.objective.advantage_baseline
+          or losses.get_objective(config.objective.name).baseline)
 
 
 def check_block_layout(config: ml_collections.ConfigDict, block_size: int) -> None:
@@ -222,7 +265,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[model_family.Fam
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
   """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
   name = config.objective.name
-  _require(name in OBJECTIVE_NAMES, "objective.name", f"{name!r} is not one of {OBJECTIVE_NAMES}")
+  _require(name in losses.objective_names(), "objective.name",
+           f"{name!r} is not one of {losses.objective_names()}")
   family, block_size = _validate_model(config)
   r = config.rollout
   for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
@@ -244,17 +288,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   if name == "grpo":
     _require(config.objective.grpo.level in ("token", "sequence"), "objective.grpo.level",
              f"{config.objective.grpo.level!r} is not 'token' or 'sequence'")
-  method = estimator_method(config)
-  _require(method in ESTIMATOR_METHODS, "estimator.method",
-           f"{method!r} is not one of {ESTIMATOR_METHODS}")
-  if objective_level(config) == "token":
-    _require(method == "mean_field", "estimator.method",
-             "token-level GRPO scores every completion token, so it needs 'mean_field'")
-  _require(config.estimator.normalize in ("", "sum", "mean"), "estimator.normalize",
-           f"{config.estimator.normalize!r} is not '', 'sum' or 'mean'")
-  _require(config.estimator.num_samples >= 1, "estimator.num_samples", "must be >= 1")
-  _require(0 <= config.estimator.prompt_mask_prob <= 1, "estimator.prompt_mask_prob",
-           "must lie in [0, 1]")
+  _validate_estimator(config, block_size is not None or family.name != "llada")
   stress = config.estimator.stress
   _require(0 <= stress.fraction <= 1, "estimator.stress.fraction",
            f"must lie in [0, 1] (0: off), got {stress.fraction}")
@@ -274,11 +308,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(config.objective[name].surrogate in ("elbo", "sandwich"),
              f"objective.{name}.surrogate",
              f"{config.objective[name].surrogate!r} is not 'elbo' or 'sandwich'")
-  needs_reference = (name == "grpo" and config.objective.grpo.beta > 0) or (
-      name == "espo" and config.objective.espo.beta > 0)
-  if needs_reference:
-    _require(config.train.reference_model, "train.reference_model",
-             f"objective.{name}.beta > 0 needs a frozen reference model (set it True)")
+  _require(advantage_baseline(config) in losses.ADVANTAGE_BASELINES,
+           "objective.advantage_baseline",
+           f"{config.objective.advantage_baseline!r} is not '' or one of "
+           f"{losses.ADVANTAGE_BASELINES}")
   o = config.optimizer
   _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
   _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
@@ -312,6 +345,29 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
              f"split over data x fsdp = {ways} devices")
 
 
+def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) -> None:
+  settings = estimator_settings(config)
+  method, methods = settings["method"], tuple(estimators.MASK_SAMPLERS)
+  _require(method in methods, "estimator.method", f"{method!r} is not one of {methods}")
+  if objective_level(config) == "token":
+    _require(method == "mean_field", "estimator.method",
+             "token-level GRPO scores every completion token, so it needs 'mean_field'")
+  _require(settings["normalize"] in ("sum", "mean"), "estimator.normalize",
+           f"{settings['normalize']!r} is not '', 'sum' or 'mean'")
+  _require(isinstance(settings["num_samples"], int) and settings["num_samples"] >= 1,
+           "estimator.num_samples", f"must be an integer >= 1, got {settings['num_samples']!r}")
+  _require(0 <= settings.get("prompt_mask_prob", 0.0) <= 1, "estimator.prompt_mask_prob",
+           "must lie in [0, 1]")
+  _require(settings["block_length"] >= 1, "estimator.block_length", "must be >= 1")
+  if not block_model:  # A set option that the method does not take would be silently ignored.
+    taken = sampler_options(method)
+    for field in ("block_length", "prompt_mask_prob", "schedule", "coupled"):
+      value = config.estimator.get(field)
+      _require(value is None or value == "" or field in taken, f"estimator.{field}",
+               f"the {method!r} estimator takes no {field!r} (it takes {taken or 'none'}); "
+               f"unset it")
+
+
 def num_microbatches(config: ml_collections.ConfigDict) -> int:
   groups = config.train.microbatch_groups or config.rollout.num_prompts
   return config.rollout.num_prompts // groups
@@ -324,16 +380,12 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
   ``block_size``: that of a block diffusion model (its estimators: see ``rl_loss``), or None.
   """
   name = config.objective.name
-  method = estimator_method(config)
-  e = config.estimator
+  settings = estimator_settings(config)
+  method, e = settings["method"], config.estimator
   if block_size is not None:  # The block ELBO takes only `coupled`; its mean field nothing.
-    options = {} if method == "mean_field" else {"coupled": e.coupled}
-  elif method == "mean_field":
-    options = {"prompt_mask_prob": e.prompt_mask_prob}
-  elif method == "elbo":
-    options = {"schedule": e.schedule, "coupled": e.coupled}
+    options = {} if method == "mean_field" else {"coupled": bool(settings.get("coupled"))}
   else:
-    options = {"block_length": e.block_length, "prompt_mask_prob": e.prompt_mask_prob}
+    options = {k: settings[k] for k in sampler_options(method) if k in settings}
   stress_rates = None
   if e.stress.fraction > 0:
     stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
@@ -341,8 +393,7 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
   if name in ("stabledrl", "spg") and config.objective[name].surrogate == "sandwich":
     eubo_beta = float(config.objective[name].eubo_beta)
   return rl_loss.LikelihoodSpec(
-      method=method, num_samples=e.num_samples,
-      normalize=e.normalize or losses.get_objective(name).normalize,
+      method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
       token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
       options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size,
       # Completions fill the last gen_length positions of every rollout row.

@@ -5,7 +5,8 @@ One RL step:
 1. P prompts, each repeated G times; rollouts from pi_old (the current parameters).
 2. Rewards on the host; group-relative advantages.
 3. l_old under pi_old (independent masks, or the inner iterations' own masks when
-   ``estimator.coupled_ratio``), and l_ref under a frozen reference if asked. In a
+   ``estimator.coupled_ratio``), and l_ref under a frozen reference (the start of RL) when
+   the objective has a KL term, on the same masks as l_old. In a
    stress test (``estimator.stress.fraction > 0``, SPEC section 5) a fraction of the
    samples, chosen once per step, gets "hard" masks for l_old and "easy" masks for l_theta.
 4. ``train.num_iterations`` updates with fresh masks each; a non-finite loss or
@@ -56,11 +57,17 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LL
   if not config.model.checkpoint:
     model_config = model_family.model_config(config, tokenizer)
     return models.init_model(model_config, seed=config.seed, mesh=mesh)
-  model = models.from_pretrained(config.model.checkpoint, mesh=mesh,
-                                 dtype=jnp.dtype(config.model.param_dtype),
+  model = models.from_pretrained(config.model.checkpoint, mesh=mesh, **_dtypes(config),
                                  remat=config.model.remat,
                                  **model_family.run_options(config))
   return _check_loaded(config, model, config.model.checkpoint)
+
+
+def _dtypes(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``from_pretrained`` keywords: parameters stored in ``model.param_dtype`` (float32 master
+  weights), computed in ``model.dtype``."""
+  return dict(dtype=jnp.dtype(config.model.dtype),
+              param_dtype=jnp.dtype(config.model.param_dtype))
 
 
 def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: str) -> nnx.Module:
@@ -80,8 +87,8 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: nnx
   """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``."""
   path = os.path.join(workdir, SFT_DIR)
   if os.path.exists(os.path.join(path, "config.json")):
-    return _check_loaded(config, models.from_pretrained(
-        path, mesh=mesh, dtype=jnp.dtype(config.model.param_dtype)), path)
+    return _check_loaded(config, models.from_pretrained(path, mesh=mesh, **_dtypes(config)),
+                         path)
   rollout = config.rollout
   rng = np.random.default_rng(config.seed)
 
@@ -118,7 +125,8 @@ def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shar
       replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec=spec,
       objective=config.objective.name, hparams=config_lib.objective_hparams(config),
       group_size=config.rollout.group_size, num_microbatches=config_lib.num_microbatches(config),
-      use_reference=config.train.reference_model, gradient_bound=config.train.gradient_bound)
+      use_reference=config_lib.uses_reference(config),
+      gradient_bound=config.train.gradient_bound)
 
 
 def abstract_update(config: ml_collections.ConfigDict, devices=None):
@@ -196,7 +204,7 @@ class Trainer:
     self.model_config = model.config
     self.graphdef, params = nnx.split(model, nnx.Param)
     # The reference for KL terms is the start of RL, frozen.
-    self.ref_params = params if config.train.reference_model else None
+    self.ref_params = params if config_lib.uses_reference(config) else None
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
@@ -214,6 +222,7 @@ class Trainer:
 
     self.spec = config_lib.likelihood_spec(config, self.model_config.mask_token_id,
                                            block_size=model_family.block_size(self.model_config))
+    self.spec_settings = config_lib.estimator_settings(config)
     objective = losses.get_objective(config.objective.name)
     self.needs_old = "old_logp" in objective.requires
     # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
@@ -319,26 +328,30 @@ class Trainer:
                         for i, text in enumerate(texts)], np.float32)
     advantages = np.asarray(losses.group_advantages(
         jnp.asarray(rewards), r.group_size,
-        scale_by_std=config.objective.scale_advantages_by_std))
+        scale_by_std=config.objective.scale_advantages_by_std,
+        baseline=config_lib.advantage_baseline(config)))
     stressed = None
     if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(
           jax.random.fold_in(key, _STRESS_KEY), len(tokens), config.estimator.stress.fraction))
     batch = self.make_batch(tokens, prompt_mask, advantages, stressed)
-    if self.ref_params is not None:
-      batch = batch.replace(ref_logp=self.estimate_no_grad(self.ref_params, batch, key_old))
-    old = None
+    # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
+    # Independent (StableDRL): once, on masks of their own, so that at the first iteration the
+    # ratio is pure estimator noise.
+    coupled = self.spec_settings["coupled_ratio"]
+    keys, repeat = (list(inner_keys), 1) if coupled else ([key_old], len(inner_keys))
+    old = ref = None
     if self.needs_old:
-      if config.estimator.coupled_ratio:  # The inner iterations' own masks, before any update.
-        old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in inner_keys]
-      else:  # Independent masks, as the official code: pure estimator noise at iteration 0.
-        old = [self.estimate_no_grad(self.state.params, batch, key_old, "hard")
-               ] * len(inner_keys)
+      old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
+    if self.ref_params is not None:
+      ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
 
     inner = []
     for i, inner_key in enumerate(inner_keys):
       if old is not None:
         batch = batch.replace(old_logp=old[i])
+      if ref is not None:
+        batch = batch.replace(ref_logp=ref[i])
       self.state, metrics = self.update(self.state, batch, inner_key)
       inner.append(metrics)
     metrics = {k: v for k, v in train_step._reduce_metrics(
