@@ -9,6 +9,8 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["stabledrl_jax", "stabledrl_jax.*"]),
+    # The d1 test sets of countdown and sudoku (tasks.packaged_files()).
+    package_data={"stabledrl_jax.tasks": ["data/*"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.7",

@@ -10,7 +10,9 @@ from stabledrl_jax.training import config_lib
 
 def get_config():
   c = config_lib.llada8b_config("countdown", learning_rate=1e-6)
-  c.data.train = "synthetic"  # seeded, solvable CD3 tasks; or a local JSONL of your own
-  c.data.train_size = 100_000
-  c.data.eval = "../shared/data/countdown_cd3_test.jsonl"  # the d1 test set
+  # The official StableDRL config trains on d1's 256-task test set, the file it evaluates on
+  # (packaged). --config.data.train=synthetic --config.data.train_size=100000 trains on seeded,
+  # solvable CD3 tasks instead.
+  c.data.train = "countdown_cd3_test.jsonl"
+  c.data.eval = "countdown_cd3_test.jsonl"
   return c

@@ -10,7 +10,10 @@ from stabledrl_jax.training import config_lib
 
 def get_config():
   c = config_lib.llada8b_config("sudoku", learning_rate=1e-6)
-  c.data.train = "synthetic"  # seeded, uniquely solvable puzzles disjoint from the test split
+  # The official config trains on d1's 4x4_sudoku_unique_puzzles.csv, which d1 does not
+  # publish in its repository; seeded, uniquely solvable puzzles disjoint from the test split
+  # stand in (or --config.data.train=YOUR.csv).
+  c.data.train = "synthetic"
   c.data.train_size = 100_000
-  c.data.eval = "../shared/data/4x4_test_sudoku.csv"  # the d1 test set
+  c.data.eval = "4x4_test_sudoku.csv"  # the d1 test set (packaged)
   return c

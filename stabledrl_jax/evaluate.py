@@ -99,7 +99,7 @@ class PromptStyle:
 # ---------------------------------------------------------------------------
 
 
-def load_test_set(task_name: str, source: str = "", *, data_dir: str = "../shared/data",
+def load_test_set(task_name: str, source: str = "", *, data_dir: str = str(tasks.PACKAGED_DATA),
                   limit: int = 0, seed: int = 0,
                   workdir_config: ml_collections.ConfigDict | None = None
                   ) -> list[tasks.Example]:
@@ -113,7 +113,7 @@ def load_test_set(task_name: str, source: str = "", *, data_dir: str = "../share
       'hub' (the task's Hub dataset), a Hub dataset name, or 'synthetic' (the task's generator;
       for a checkpoint of a workdir that trained this task, seeded and configured as that
       workdir's held-out set).
-    data_dir: where d1's test files are.
+    data_dir: where d1's test files are (default: the copies that ship with the package).
     limit: keep the first `limit` examples (0: all; 'synthetic': how many, default 256).
     seed: the generator's seed (config.seed; the held-out set uses seed + 1).
     workdir_config: the training config of the checkpoint's workdir, if any.
@@ -144,7 +144,7 @@ def load_test_set(task_name: str, source: str = "", *, data_dir: str = "../share
                                limit=limit or None)
   except ImportError as error:  # No `datasets`: say how to evaluate offline.
     raise ImportError(f"{error} A directory of d1 generation files also gives a test set: "
-                      f"--data {task.name}=../shared/data/d1_baseline_generations.") from None
+                      f"--data {task.name}=DIR.") from None
 
 
 def encode_prompts(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example],
@@ -329,7 +329,7 @@ class Options:
   shard_size: int = 128
   limit: int = 0
   data: Sequence[str] = ()
-  data_dir: str = "../shared/data"
+  data_dir: str = str(tasks.PACKAGED_DATA)
   seed: int = 0
   model_name: str = ""
   tokenizer: str = ""

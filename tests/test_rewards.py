@@ -364,6 +364,15 @@ REWARDS = {
     "soft_format": format_rewards.soft_format_reward,
     "tag_count": format_rewards.tag_count_reward,
     "boxed_format": format_rewards.boxed_answer_format_reward,
+    # The official StableDRL rewards (math-verify's +-1 mapped onto [0, 1]).
+    "countdown_official": lambda completion: rewards.countdown_reward(
+        completion, [25, 4, 3], 63, allow_unused=True),
+    "anti_short_boxed": format_rewards.anti_short_boxed_reward,
+}
+# math-verify on the whole completion (the official GSM8K / MATH reward), +-1 mapped onto [0, 1]:
+# milliseconds on ordinary text, not the 50 ms bound of the screened rewards on hostile text.
+FULL_TEXT_REWARDS = {
+    "math_verify": lambda completion: (task_rewards.math_verify_reward(completion, "18") + 1) / 2,
 }
 
 
@@ -388,12 +397,23 @@ def test_rewards_are_finite_and_fast_on_hostile_completions(name):
   assert slowest[0] < 0.05, f"{name} took {slowest[0] * 1e3:.1f} ms on {slowest[1]!r}"
 
 
-@pytest.mark.parametrize("name", sorted(REWARDS))
+def test_full_text_math_verify_is_bounded_on_hostile_completions():
+  """Each hostile completion well inside the official 5 s timeout, in CPU time (the machine may
+  be loaded): bracket nesting that math-verify's parser cannot handle is screened out."""
+  reward = FULL_TEXT_REWARDS["math_verify"]
+  for completion in HOSTILE:
+    start = time.process_time()
+    value = reward(completion)
+    assert value in (0.0, 1.0)
+    assert time.process_time() - start < 2.5, completion[:60]
+
+
+@pytest.mark.parametrize("name", sorted(REWARDS) + sorted(FULL_TEXT_REWARDS))
 @settings(max_examples=60, deadline=None)
 @given(core=st.text(max_size=300), wrapper=st.sampled_from(["{}", "<answer>{}</answer>",
                                                              "\\boxed{{{}}}", "{}</answer>"]))
 def test_rewards_never_raise_on_fuzzed_text(name, core, wrapper):
-  value = REWARDS[name](wrapper.format(core))
+  value = {**REWARDS, **FULL_TEXT_REWARDS}[name](wrapper.format(core))
   assert isinstance(value, float) and math.isfinite(value) and 0.0 <= value <= 1.0
 
 
@@ -466,3 +486,53 @@ def test_d1_sudoku_pattern_order_and_padding():
   assert d1_protocol.sudoku_cells_correct(_answer(SUDOKU_SOLUTION), SUDOKU_QUESTION,
                                           SUDOKU_SOLUTION) == (13, 13)
   assert d1_protocol.sudoku_puzzle(SUDOKU_PUZZLE + " rest") == SUDOKU_PUZZLE
+
+
+def _anti_short_boxed_by_the_rules(text: str) -> float:
+  """StableDRL's rule, re-derived: short (< 200 non-space characters) and either a bare boxed
+  answer or under 85% of the characters outside boxes -> 0."""
+  stripped = text.strip()
+  total = len("".join(stripped.split()))
+  if total >= 200:
+    return 1.0
+  bare = re.fullmatch(r"[\s$]*\\boxed\{[^}]*\}[\s$]*[.?!'\"“”’]*\s*", stripped) is not None
+  outside = len("".join(re.sub(r"\\boxed\{.*?\}", "", stripped, flags=re.DOTALL).split()))
+  return 0.0 if bare or outside / (total + 1e-6) < 0.85 else 1.0
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", 0.0), ("  \n ", 0.0),  # empty
+    ("\\boxed{18}", 0.0), ("$\\boxed{18}$.", 0.0),  # bare boxed answers
+    ("The answer is \\boxed{18}", 0.0),  # 11 of 21 characters outside the box
+    ("We add 7 and 11, which gives eighteen: \\boxed{18}", 0.0),  # 32 of 42 outside: 0.76
+    ("We add seven and eleven, which gives eighteen in total, as the question asks: \\boxed{18}",
+     1.0),  # 64 of 74 outside: 0.86
+    ("no box at all", 1.0),
+    ("x" * 100 + "\\boxed{" + "9" * 60 + "}", 0.0),  # short enough, too much inside
+    ("x" * 200 + "\\boxed{" + "9" * 60 + "}", 1.0),  # 200 characters: never penalized
+])
+def test_anti_short_boxed_reward_follows_the_official_rule(text, expected):
+  assert format_rewards.anti_short_boxed_reward(text) == expected
+  assert _anti_short_boxed_by_the_rules(text) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab 1$.{}\\boxed\n")), max_size=240))
+def test_anti_short_boxed_reward_matches_the_rule_on_any_text(text):
+  assert format_rewards.anti_short_boxed_reward(text) == _anti_short_boxed_by_the_rules(text)
+
+
+def test_official_countdown_reward_allows_unused_numbers():
+  assert rewards.countdown_reward("<answer>25 + 4 * 3 - 25 + 25</answer>", [25, 4, 3], 37,
+                                  allow_unused=True) == 0.1  # 25 three times
+  assert rewards.countdown_reward("<answer>(25 - 4) * 3</answer>", [25, 4, 3, 9], 63,
+                                  allow_unused=True) == 1.0
+  assert rewards.countdown_reward("<answer>(25 - 4) * 3</answer>", [25, 4, 3, 9], 63) == 0.1
+
+
+def test_math_verify_reward_reads_the_whole_completion():
+  assert task_rewards.math_verify_reward("so she pays 72 dollars", "72") == 1.0
+  assert task_rewards.math_verify_reward("\\boxed{0.5}", "Thus \\boxed{\\frac{1}{2}}.") == 1.0
+  assert task_rewards.math_verify_reward("\\boxed{71}", "72") == -1.0
+  # Unsafe expressions are compared as text, never evaluated.
+  assert task_rewards.math_verify_reward("\\boxed{9^{9^{9^{9}}}}", "18") == -1.0

@@ -18,8 +18,12 @@ needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(),
                                        reason="needs ../shared/data (not in user clones)")
 
 
+# Reasoning long enough that the answer is not "mostly boxed" (StableDRL's anti-short-boxed term).
+_REASONING = "Work through the problem one step at a time, then check the result."
+
+
 def _layout(answer: str) -> str:
-  return f"<reasoning>\nwork\n</reasoning>\n<answer>\n{answer}\n</answer>"
+  return f"<reasoning>\n{_REASONING}\n</reasoning>\n<answer>\n{answer}\n</answer>"
 
 
 # ---------------------------------------------------------------------------
@@ -33,8 +37,8 @@ def test_registry_names_and_aliases():
   assert tasks.get_task("gsm") is tasks.get_task("gsm8k")
   with pytest.raises(KeyError, match="registered"):
     tasks.get_task("chess")
-  clash = tasks.Task(name="countdown", instruction="", reward_terms=(), parse_answer=str,
-                     score=None, example_from_record=None)
+  clash = tasks.Task(name="countdown", instruction="", rewards={"stabledrl": (), "d1": ()},
+                     parse_answer=str, score=None, example_from_record=None)
   with pytest.raises(ValueError, match="already registered"):
     tasks.register_task(clash)
 
@@ -57,22 +61,45 @@ def test_prompt_is_instruction_then_question():
     ("math500", tasks.Example("Compute...", "\\frac{1}{2}"), _layout("\\boxed{\\dfrac{1}{2}}"),
      _layout("\\boxed{\\frac{1}{3}}")),
 ])
-def test_reward_and_score_separate_right_from_wrong(name, example, good, bad):
+@pytest.mark.parametrize("scheme", tasks.REWARD_SCHEMES)
+def test_reward_and_score_separate_right_from_wrong(name, example, good, bad, scheme):
   task = tasks.get_task(name)
-  assert task.reward(good, example) == pytest.approx(task.max_reward)
-  assert task.reward(bad, example) < task.reward(good, example)
+  assert task.reward(good, example, scheme) == pytest.approx(task.max_reward(scheme))
+  assert task.reward(bad, example, scheme) < task.reward(good, example, scheme)
   assert task.score(good, example).correct == task.score(good, example).total > 0
   assert task.score(bad, example).correct == 0
-  assert set(task.reward_components(good, example)) == {term.name for term in task.reward_terms}
+  assert set(task.reward_components(good, example, scheme)) == {
+      term.name for term in task.reward_terms(scheme)}
   assert task.parse_answer(good) is not None
+
+
+@pytest.mark.parametrize("name", tasks.list_tasks())
+def test_official_rewards_add_anti_short_boxed_to_every_task(name):
+  task = tasks.get_task(name)
+  assert task.reward_terms("stabledrl")[-1] is tasks.base.ANTI_SHORT_BOXED
+  assert task.reward_terms() == task.reward_terms("stabledrl")  # the default scheme
+  with pytest.raises(ValueError, match="reward scheme"):
+    task.reward("x", tasks.Example("q", 1.0), "grpo")
+
+
+def test_official_math_rewards_are_plus_or_minus_one_on_the_whole_text():
+  gsm8k, math = tasks.get_task("gsm8k"), tasks.get_task("math500")
+  example = tasks.Example("q", 18.0)
+  # No box or tag needed: math-verify reads the answer from the text.
+  assert gsm8k.reward_components("So she earns 18 dollars a day.", example, "stabledrl") == {
+      "correctness": 1.0, "anti_short_boxed": 1.0}
+  assert gsm8k.reward("\\boxed{17}", example, "stabledrl") == -1.0  # wrong and bare boxed
+  solution = tasks.Example("q", "\\frac{1}{2}", reference="Half: $\\boxed{\\frac12}$.")
+  assert math.reward_components("so $x = 0.5$, i.e. \\boxed{0.5}", solution, "stabledrl")[
+      "correctness"] == 1.0
 
 
 def test_gsm8k_reward_mixture_follows_d1_weights():
   task = tasks.get_task("gsm8k")
   example = tasks.Example("q", 18.0)
-  assert task.max_reward == 3.5  # correctness 2.0 + three layout terms of 0.5
-  assert task.reward("18", example) == 2.0  # right number, no layout
-  assert task.reward_components(_layout("\\boxed{18}"), example) == {
+  assert task.max_reward("d1") == 3.5  # correctness 2.0 + three layout terms of 0.5
+  assert task.reward("18", example, "d1") == 2.0  # right number, no layout
+  assert task.reward_components(_layout("\\boxed{18}"), example, "d1") == {
       "correctness": 1.0, "tag_count": 1.0, "soft_format": 1.0, "strict_format": 1.0}
 
 
@@ -81,23 +108,21 @@ def test_gsm8k_reward_mixture_follows_d1_weights():
 # ---------------------------------------------------------------------------
 
 
-@needs_shared_data
 def test_loads_the_d1_countdown_test_set():
-  examples = tasks.load_examples("countdown", SHARED_DATA / "countdown_cd3_test.jsonl")
+  examples = tasks.load_examples("countdown", "countdown_cd3_test.jsonl")  # packaged
   assert len(examples) == 256
   assert examples[0].question == "Numbers: [30, 100, 93]\nTarget: 23"
   assert examples[0].ground_truth == [[30, 100, 93], 23]
 
 
-@needs_shared_data
 def test_loads_the_d1_sudoku_test_set():
-  examples = tasks.load_examples("sudoku", SHARED_DATA / "4x4_test_sudoku.csv")
+  examples = tasks.load_examples("sudoku", "4x4_test_sudoku.csv")  # packaged
   assert len(examples) == 500
   first = examples[0]
   assert sudoku.puzzle_of(first) == "3102200002100320"  # leading digits kept as text
   assert first.ground_truth == "3142243142131324"
   task = tasks.get_task("sudoku")
-  assert task.reward(_layout(first.ground_truth), first) == 1.0
+  assert task.reward(_layout(first.ground_truth), first, "d1") == 1.0
   # Unlike our generator's puzzles, 124 of the 500 d1 test puzzles have 2 to 4 solutions (two
   # independent counters agree); the listed solution is always one of them.
   counts = [sudoku.count_solutions(sudoku.puzzle_of(example)) for example in examples]
@@ -177,8 +202,33 @@ def test_hub_loading_uses_the_task_default_source(monkeypatch):
   assert example.ground_truth == 5.0
   tasks.load_examples("gsm8k", "someone/gsm8k-copy", split="train")
   assert calls == [("openai/gsm8k", "main", "test"), ("someone/gsm8k-copy", None, "train")]
-  with pytest.raises(ValueError, match="no Hub dataset"):
+  with pytest.raises(ValueError, match="no default Hub dataset"):
     tasks.load_examples("sudoku")
+
+
+def test_math_trains_on_the_official_set_and_tests_on_math500(monkeypatch):
+  calls = []
+  rows = [{"problem": "1+1?", "level": "Level 2", "solution": "It is \\boxed{2}."},
+          {"problem": "hard", "level": "Level 5", "solution": "\\boxed{3}"},
+          {"problem": "x " * 301, "level": "Level 1", "solution": "\\boxed{4}"},
+          {"problem": "odd", "level": "Level ?", "solution": "\\boxed{5}"}]
+
+  def load_dataset(path, config, split):
+    calls.append((path, config, split))
+    return rows
+
+  monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+  (example,) = tasks.load_examples("math500", split="train")
+  assert example.ground_truth == "2" and example.reference == "It is \\boxed{2}."
+  assert len(tasks.load_examples("math500", split="test")) == 4  # MATH-500: no filter
+  assert calls == [("qwedsacf/competition_math", None, "train"),
+                   ("HuggingFaceH4/MATH-500", None, "test")]
+
+
+def test_packaged_d1_test_sets_load_by_name():
+  assert {"countdown_cd3_test.jsonl", "4x4_test_sudoku.csv"} <= set(tasks.packaged_files())
+  assert len(tasks.load_examples("countdown", "countdown_cd3_test.jsonl")) == 256
+  assert len(tasks.load_examples("sudoku", "4x4_test_sudoku.csv")) == 500
 
 
 @pytest.mark.parametrize("name, record, question, ground_truth", [

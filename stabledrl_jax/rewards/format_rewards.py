@@ -9,6 +9,8 @@ completions without it; pass `reasoning_prefilled=True` so the tag counts as wri
 
 from __future__ import annotations
 
+import re
+
 from stabledrl_jax.rewards import extraction
 
 _TAGS = (extraction.REASONING_OPEN, extraction.REASONING_CLOSE, extraction.ANSWER_OPEN,
@@ -78,3 +80,30 @@ def boxed_answer_format_reward(completion: str, *, reasoning_prefilled: bool = F
   if tag is None:
     return 0.0
   return 1.0 if extraction.last_boxed(tag) is not None else 0.5
+
+
+# The official StableDRL training loop adds this to every task's reward (docs/algorithms.md).
+_PURE_BOXED = re.compile(r"[\s$]*\\boxed\{[^}]*\}[\s$]*[.?!'\"“”’]*\s*")
+_BOXED_SPAN = re.compile(r"\\boxed\{.*?\}", flags=re.DOTALL)
+_WHITESPACE = re.compile(r"\s+")
+
+
+def anti_short_boxed_reward(completion: str, *, min_total_chars: int = 200,
+                            non_boxed_ratio_threshold: float = 0.85) -> float:
+  """0.0 for a short answer that is (mostly) a bare \\boxed{}, else 1.0 (StableDRL's rule).
+
+  Short: fewer than ``min_total_chars`` non-whitespace characters. Mostly boxed: the whole text
+  is one \\boxed{...} (optionally in $ and followed by punctuation), or deleting every
+  \\boxed{...} (up to its first "}") leaves under ``non_boxed_ratio_threshold`` of the
+  non-whitespace characters. An empty completion scores 0; one without \\boxed{} scores 1.
+  """
+  if extraction.oversized(completion):
+    return 1.0  # Long by any measure (and not worth a regex pass).
+  text = completion.strip()
+  total = len(_WHITESPACE.sub("", text))
+  if total >= min_total_chars:
+    return 1.0
+  pure_boxed = _PURE_BOXED.fullmatch(text) is not None
+  outside = len(_WHITESPACE.sub("", _BOXED_SPAN.sub("", text)))
+  ratio = outside / (total + 1e-6)
+  return 0.0 if pure_boxed or ratio < non_boxed_ratio_threshold else 1.0

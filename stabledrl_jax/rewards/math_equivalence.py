@@ -305,3 +305,53 @@ def symbolic_equivalent(prediction: str, reference: str, *, deadline_s: float = 
   except Exception:  # pylint: disable=broad-except
     # math-verify / sympy raise a wide variety of errors on odd input; a reward must not.
     return None
+
+
+MAX_PARSE_NESTING = 12
+
+
+def _nesting_depth(text: str) -> int:
+  """The deepest nesting of (), [] and {} in ``text`` (unbalanced closers are ignored)."""
+  depth = deepest = 0
+  for char in text:
+    if char in "([{":
+      depth += 1
+      deepest = max(deepest, depth)
+    elif char in ")]}" and depth:
+      depth -= 1
+  return deepest
+
+
+def verify_completion(completion: str, gold: str, *, deadline_s: float = 5.0) -> bool:
+  """The official StableDRL check: math-verify's ``parse`` of the gold answer (a number, or a
+  full MATH solution) and of the whole completion, then ``verify``.
+
+  Parsing finds the answer wherever math-verify looks for one (\\boxed{} first, then LaTeX and
+  plain expressions) and builds unevaluated expressions, so it is cheap on any text; only the
+  comparison can be expensive. An extracted answer that fails `safe_for_symbolic` is therefore
+  compared as normalized text (`math_answers_match`), never handed to sympy. Each call runs under
+  ``deadline_s`` (the official timeout: 5 s); any failure counts as not equal.
+  """
+  module = _math_verify()
+  if module is None or extraction.oversized(completion):
+    return False
+  if _nesting_depth(completion) > MAX_PARSE_NESTING:
+    # math-verify's parser is exponential in bracket nesting (minutes at depth 300): such text
+    # gets the normalized comparison of its final answer only.
+    prediction = extraction.last_boxed(completion) or extraction.last_answer_tag(completion)
+    reference = extraction.last_boxed(gold) or gold
+    return bool(prediction) and math_answers_match(prediction.strip(), reference.strip())
+  try:
+    gold_parsed, guess = _call_with_deadline(
+        lambda: (module.parse(gold, parsing_timeout=None),
+                 module.parse(completion, parsing_timeout=None)), deadline_s)
+    if not gold_parsed or not guess:
+      return False
+    if not (safe_for_symbolic(str(guess[-1])) and safe_for_symbolic(str(gold_parsed[-1]))):
+      return math_answers_match(str(guess[-1]), str(gold_parsed[-1]))
+    return bool(_call_with_deadline(
+        lambda: module.verify(gold_parsed, guess, timeout_seconds=None), deadline_s))
+  except _DeadlineExceeded:
+    return False
+  except Exception:  # pylint: disable=broad-except
+    return False  # math-verify / sympy raise a wide variety of errors on odd input.

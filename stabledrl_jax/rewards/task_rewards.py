@@ -12,6 +12,7 @@ These are what RL optimizes. The accuracies that papers report use the d1 protoc
 
 from __future__ import annotations
 
+import collections
 import fractions
 import re
 from typing import Sequence
@@ -46,7 +47,8 @@ def countdown_expression(completion: str) -> str | None:
   return expression.strip()
 
 
-def countdown_reward(completion: str, numbers: Sequence[int], target: float) -> float:
+def countdown_reward(completion: str, numbers: Sequence[int], target: float, *,
+                     allow_unused: bool = False) -> float:
   """1.0 if the answer uses each number exactly once and equals the target; 0.1 if an answer
   expression is present but wrong or invalid; 0.0 if there is none.
 
@@ -54,6 +56,7 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: float) -> 
     completion: the generated text (answer inside <answer>...</answer> or \\boxed{}).
     numbers: the available numbers, e.g. [25, 4, 3].
     target: the value to reach, e.g. 63.
+    allow_unused: each number at most once, not exactly once (the official StableDRL reward).
   """
   numbers = sorted(int(number) for number in numbers)
   target = fractions.Fraction(target)
@@ -66,9 +69,17 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: float) -> 
   if evaluation is None:
     return COUNTDOWN_FORMAT_SCORE
   used = evaluation.integer_literals()
-  if used is None or sorted(used) != numbers:
+  if used is None or not _uses_numbers(sorted(used), numbers, allow_unused):
     return COUNTDOWN_FORMAT_SCORE
   return 1.0 if abs(evaluation.value - target) < 1e-5 else COUNTDOWN_FORMAT_SCORE
+
+
+def _uses_numbers(used: list[int], numbers: list[int], allow_unused: bool) -> bool:
+  if not allow_unused:
+    return used == numbers
+  available = collections.Counter(numbers)
+  available.subtract(used)  # A number not offered, or used too often, goes negative.
+  return all(count >= 0 for count in available.values())
 
 
 # ---------------------------------------------------------------------------
@@ -194,3 +205,14 @@ def math_reward(completion: str, answer: str, *, use_math_verify: bool = True,
       prediction, reference, deadline_s=symbolic_deadline_s):
     return 1.0
   return 0.0
+
+
+# ---------------------------------------------------------------------------
+# The official StableDRL correctness reward for GSM8K and MATH.
+# ---------------------------------------------------------------------------
+
+
+def math_verify_reward(completion: str, gold: str) -> float:
+  """+1.0 if math-verify finds the gold answer in the completion, else -1.0 (the official
+  StableDRL dataloaders' reward for GSM8K and MATH; `math_equivalence.verify_completion`)."""
+  return 1.0 if math_equivalence.verify_completion(completion, gold) else -1.0

@@ -1,7 +1,7 @@
 """Tasks, datasets, synthetic generators and a resumable data iterator.
 
     task = get_task("countdown")
-    examples = load_examples(task, "../shared/data/countdown_cd3_test.jsonl")
+    examples = load_examples(task, "countdown_cd3_test.jsonl")  # packaged d1 test set
     prompt = task.prompt(examples[0])
     reward = task.reward(completion, examples[0])     # what RL optimizes
     score = task.score(completion, examples[0])       # the d1 evaluation metric
@@ -20,12 +20,14 @@ from stabledrl_jax.tasks import countdown
 from stabledrl_jax.tasks import gsm8k
 from stabledrl_jax.tasks import math500
 from stabledrl_jax.tasks import sudoku
+from stabledrl_jax.tasks.base import DEFAULT_REWARD_SCHEME
 from stabledrl_jax.tasks.base import Example
 from stabledrl_jax.tasks.base import get_task
 from stabledrl_jax.tasks.base import HubSource
 from stabledrl_jax.tasks.base import ItemScore
 from stabledrl_jax.tasks.base import list_tasks
 from stabledrl_jax.tasks.base import register_task
+from stabledrl_jax.tasks.base import REWARD_SCHEMES
 from stabledrl_jax.tasks.base import RewardTerm
 from stabledrl_jax.tasks.base import Task
 from stabledrl_jax.tasks.countdown import CountdownGenerator
@@ -37,6 +39,23 @@ from stabledrl_jax.tasks.sudoku import count_solutions
 from stabledrl_jax.tasks.sudoku import SudokuGenerator
 
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# Small test sets that ship with the package (the d1 releases): pass their file name as a source.
+PACKAGED_DATA = pathlib.Path(__file__).resolve().parent / "data"
+
+
+def packaged_files() -> list[str]:
+  """Names of the data files that ship with the package (usable as a `source`)."""
+  return sorted(path.name for path in PACKAGED_DATA.iterdir() if path.is_file())
+
+
+def _local_path(source: str | pathlib.Path) -> pathlib.Path | None:
+  """A local file: an existing path, a path with a data suffix, or a packaged file's name."""
+  path = pathlib.Path(source)
+  if path.exists():
+    return path
+  if path.name == str(source) and (PACKAGED_DATA / path.name).is_file():
+    return PACKAGED_DATA / path.name
+  return path if path.suffix.lower() in _LOCAL_SUFFIXES else None
 
 
 def load_examples(
@@ -50,29 +69,39 @@ def load_examples(
 
   Args:
     task: a `Task` or its registered name.
-    source: a local .jsonl / .json / .csv / .parquet file; or a Hub dataset path
-      ("openai/gsm8k"); or None for the task's default Hub dataset.
-    split: Hub split (default: the task's); ignored for local files.
+    source: a local .jsonl / .json / .csv / .parquet file, or the name of a packaged one
+      (`packaged_files()`); or a Hub dataset path ("openai/gsm8k"); or None for the task's
+      default Hub dataset of `split`.
+    split: 'train' or 'test' for the task's default dataset (its own split name and record
+      filter apply); the split of a Hub `source`; ignored for local files.
     limit: keep only the first `limit` examples.
   """
   task = get_task(task) if isinstance(task, str) else task
-  if source is not None and (pathlib.Path(source).suffix.lower() in _LOCAL_SUFFIXES
-                             or pathlib.Path(source).exists()):
-    records = read_records(source)
+  local = None if source is None else _local_path(source)
+  if local is not None:
+    records = read_records(local)
   else:
-    hub = task.hub_source
     if source is not None:
       hub = HubSource(str(source), split=split or "train")
-    elif hub is None:
-      raise ValueError(f"Task {task.name!r} has no Hub dataset; pass a local file or use a "
-                       "synthetic generator.")
-    records = load_hub_records(hub.path, hub.config, split or hub.split)
+    else:
+      hub = task.hub_sources.get(split or "test")
+      if hub is None:
+        raise ValueError(f"Task {task.name!r} has no default Hub dataset for split "
+                         f"{split or 'test'!r}; pass a local file (packaged: {packaged_files()}) "
+                         "or use a synthetic generator.")
+    records = load_hub_records(hub.path, hub.config, hub.split)
+    if hub.keep is not None:
+      records = [record for record in records if hub.keep(record)]
   if limit is not None:
     records = records[:limit]
   return [task.example_from_record(record) for record in records]
 
 
 __all__ = [
+    "DEFAULT_REWARD_SCHEME",
+    "REWARD_SCHEMES",
+    "packaged_files",
+    "PACKAGED_DATA",
     "CountdownGenerator",
     "DataIterator",
     "Example",

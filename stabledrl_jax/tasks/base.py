@@ -3,7 +3,8 @@
 A task bundles what the RL loop and the evaluator need to know about a problem family:
 
 - how a question becomes a prompt (`Task.prompt`);
-- the training reward of a completion: a weighted sum of named terms (`Task.reward`);
+- the training reward of a completion: a weighted sum of named terms (`Task.reward`), under a
+  named scheme: 'stabledrl' (the official StableDRL code's rewards, the default) or 'd1';
 - the extracted answer, for logs (`Task.parse_answer`);
 - the evaluation metric of the d1 protocol (`Task.score`), which is what papers report;
 - how raw dataset records become examples (`Task.example_from_record`), and where the
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Mapping
+
+from stabledrl_jax.rewards import format_rewards
 
 # The answer layout every instruction asks for, and that the format rewards check.
 ANSWER_FORMAT = """Reply in exactly this layout:
@@ -71,13 +74,30 @@ class RewardTerm:
   function: RewardFunction
 
 
+# The reward schemes every task defines: the official StableDRL training loop's (its
+# dataloaders' rewards plus `anti_short_boxed_reward`), and d1's (correctness plus format terms).
+REWARD_SCHEMES = ("stabledrl", "d1")
+DEFAULT_REWARD_SCHEME = "stabledrl"
+
+# StableDRL adds this term to every task's reward (docs/algorithms.md).
+ANTI_SHORT_BOXED = RewardTerm(
+    "anti_short_boxed", 1.0,
+    lambda completion, example: format_rewards.anti_short_boxed_reward(completion))
+
+
 @dataclasses.dataclass(frozen=True)
 class HubSource:
-  """Where a task's data lives on the Hugging Face Hub."""
+  """Where a task's data lives on the Hugging Face Hub.
+
+  Attributes:
+    path, config, split: the dataset, its configuration and split.
+    keep: records to keep (None: all), e.g. the official MATH training filter.
+  """
 
   path: str
   config: str | None = None
   split: str = "train"
+  keep: Callable[[Mapping[str, Any]], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,22 +107,34 @@ class Task:
   Attributes:
     name: registry name; also the first field of d1 generation file names ("gsm8k_...").
     instruction: the text placed before the question in a prompt.
-    reward_terms: summed with their weights by `reward`.
+    rewards: for each scheme of `REWARD_SCHEMES`, the terms `reward` sums with their weights.
     parse_answer: completion -> the answer the reward reads (None if absent), for logs.
     score: (completion, example) -> `ItemScore` under the d1 evaluation protocol.
     example_from_record: a raw dataset record (JSONL line, CSV row, Hub row) -> `Example`.
-    hub_source: default Hugging Face dataset, if there is one.
+    hub_sources: the default Hugging Face dataset of each split ('train', 'test'), where there
+      is one: the official StableDRL configs' training sets.
     aliases: other names accepted by `get_task`.
   """
 
   name: str
   instruction: str
-  reward_terms: tuple[RewardTerm, ...]
+  rewards: Mapping[str, tuple[RewardTerm, ...]]
   parse_answer: Callable[[str], str | None]
   score: Callable[[str, Example], ItemScore]
   example_from_record: Callable[[Mapping[str, Any]], Example]
-  hub_source: HubSource | None = None
+  hub_sources: Mapping[str, HubSource] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    if set(self.rewards) != set(REWARD_SCHEMES):
+      raise ValueError(f"Task {self.name!r} defines reward schemes {sorted(self.rewards)}; "
+                       f"every task defines {REWARD_SCHEMES}.")
+
+  def reward_terms(self, scheme: str = DEFAULT_REWARD_SCHEME) -> tuple[RewardTerm, ...]:
+    """The terms of a reward scheme (ValueError naming the schemes for an unknown one)."""
+    if scheme not in self.rewards:
+      raise ValueError(f"Unknown reward scheme {scheme!r}; choose one of {REWARD_SCHEMES}.")
+    return self.rewards[scheme]
 
   def prompt(self, example: Example, *, with_instruction: bool = True) -> str:
     """The user message: instruction, blank line, question (or the bare question).
@@ -113,18 +145,20 @@ class Task:
       return example.question
     return f"{self.instruction}\n\n{example.question}"
 
-  def reward_components(self, completion: str, example: Example) -> dict[str, float]:
+  def reward_components(self, completion: str, example: Example,
+                        scheme: str = DEFAULT_REWARD_SCHEME) -> dict[str, float]:
     """Each reward term's unweighted value, by name (for logging)."""
-    return {term.name: term.function(completion, example) for term in self.reward_terms}
+    return {term.name: term.function(completion, example) for term in self.reward_terms(scheme)}
 
-  def reward(self, completion: str, example: Example) -> float:
+  def reward(self, completion: str, example: Example,
+             scheme: str = DEFAULT_REWARD_SCHEME) -> float:
     """The training reward: sum of weight * term."""
-    return sum(term.weight * term.function(completion, example) for term in self.reward_terms)
+    return sum(term.weight * term.function(completion, example)
+               for term in self.reward_terms(scheme))
 
-  @property
-  def max_reward(self) -> float:
-    """The largest possible `reward` (every term is in [0, 1])."""
-    return sum(max(term.weight, 0.0) for term in self.reward_terms)
+  def max_reward(self, scheme: str = DEFAULT_REWARD_SCHEME) -> float:
+    """The largest possible `reward` (every term is at most 1)."""
+    return sum(max(term.weight, 0.0) for term in self.reward_terms(scheme))
 
 
 _REGISTRY: dict[str, Task] = {}

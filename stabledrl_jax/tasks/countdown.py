@@ -65,6 +65,11 @@ def _reward(completion: str, example: base.Example) -> float:
   return task_rewards.countdown_reward(completion, numbers, target)
 
 
+def _official_reward(completion: str, example: base.Example) -> float:
+  numbers, target = _numbers_and_target(example)
+  return task_rewards.countdown_reward(completion, numbers, target, allow_unused=True)
+
+
 def _score(completion: str, example: base.Example) -> base.ItemScore:
   if isinstance(example.ground_truth, (list, tuple)) and len(example.ground_truth) == 2:
     numbers, target = _numbers_and_target(example)
@@ -81,11 +86,17 @@ def _score(completion: str, example: base.Example) -> base.ItemScore:
 TASK = base.register_task(base.Task(
     name="countdown",
     instruction=INSTRUCTION,
-    reward_terms=(base.RewardTerm("correctness", 1.0, _reward),),
+    rewards={
+        # StableDRL's: unused numbers allowed; plus its anti-short-boxed term.
+        "stabledrl": (base.RewardTerm("correctness", 1.0, _official_reward),
+                      base.ANTI_SHORT_BOXED),
+        "d1": (base.RewardTerm("correctness", 1.0, _reward),),
+    },
     parse_answer=task_rewards.countdown_expression,
     score=_score,
     example_from_record=example_from_record,
-    hub_source=base.HubSource("Jiayi-Pan/Countdown-Tasks-3to4", split="train"),
+    # The official StableDRL config trains on the d1 test file (packaged: "countdown_cd3_test.jsonl").
+    hub_sources={"train": base.HubSource("Jiayi-Pan/Countdown-Tasks-3to4", split="train")},
 ))
 
 

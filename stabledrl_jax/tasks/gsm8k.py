@@ -37,6 +37,11 @@ def _correctness(completion: str, example: base.Example) -> float:
   return task_rewards.gsm8k_reward(completion, example.ground_truth)
 
 
+def _official_correctness(completion: str, example: base.Example) -> float:
+  """+1 / -1: math-verify on the whole completion against the number after "####"."""
+  return task_rewards.math_verify_reward(completion, f"{float(example.ground_truth):g}")
+
+
 def _format_term(function):
   return lambda completion, example: function(completion)
 
@@ -53,16 +58,22 @@ def _score(completion: str, example: base.Example) -> base.ItemScore:
 TASK = base.register_task(base.Task(
     name="gsm8k",
     instruction=INSTRUCTION,
-    # The d1 mixture: correctness dominates; layout terms give a dense early signal.
-    reward_terms=(
-        base.RewardTerm("correctness", 2.0, _correctness),
-        base.RewardTerm("tag_count", 0.5, _format_term(format_rewards.tag_count_reward)),
-        base.RewardTerm("soft_format", 0.5, _format_term(format_rewards.soft_format_reward)),
-        base.RewardTerm("strict_format", 0.5, _format_term(format_rewards.strict_format_reward)),
-    ),
+    rewards={
+        "stabledrl": (base.RewardTerm("correctness", 1.0, _official_correctness),
+                      base.ANTI_SHORT_BOXED),
+        # The d1 mixture: correctness dominates; layout terms give a dense early signal.
+        "d1": (
+            base.RewardTerm("correctness", 2.0, _correctness),
+            base.RewardTerm("tag_count", 0.5, _format_term(format_rewards.tag_count_reward)),
+            base.RewardTerm("soft_format", 0.5, _format_term(format_rewards.soft_format_reward)),
+            base.RewardTerm("strict_format", 0.5,
+                            _format_term(format_rewards.strict_format_reward)),
+        ),
+    },
     parse_answer=_parse_answer,
     score=_score,
     example_from_record=example_from_record,
-    hub_source=base.HubSource("openai/gsm8k", config="main", split="test"),
+    hub_sources={"train": base.HubSource("openai/gsm8k", config="main", split="train"),
+                 "test": base.HubSource("openai/gsm8k", config="main", split="test")},
     aliases=("gsm",),
 ))

@@ -1,7 +1,8 @@
-"""MATH-500: competition math problems with LaTeX answers (Lightman et al.'s MATH subset).
+"""MATH: competition math problems with LaTeX answers; evaluated on MATH-500.
 
 Data: JSONL / Parquet with {"problem", "answer"} (or a full "solution" whose last \\boxed{} is
-the answer), or the Hub's HuggingFaceH4/MATH-500.
+the answer), or the Hub: training on MATH (qwedsacf/competition_math, levels 1-4, as the official
+StableDRL config), testing on HuggingFaceH4/MATH-500 (Lightman et al.'s subset).
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ def _correctness(completion: str, example: base.Example) -> float:
   return task_rewards.math_reward(completion, example.ground_truth)
 
 
+def _official_correctness(completion: str, example: base.Example) -> float:
+  """+1 / -1: math-verify on the whole completion against the full solution (or the answer)."""
+  gold = example.reference if example.reference is not None else example.ground_truth
+  return task_rewards.math_verify_reward(completion, str(gold))
+
+
+def official_training_record(record: Mapping[str, Any]) -> bool:
+  """The official StableDRL MATH training filter: levels 1 to 4, a problem of 1 to 1499
+  characters and at most 300 words."""
+  level = str(record.get("level", ""))
+  digits = "".join(char for char in level if char.isdigit())
+  problem = str(record.get("problem", ""))
+  return (bool(digits) and int(digits) <= 4 and 0 < len(problem) < 1500
+          and len(problem.split()) <= 300)
+
+
 def _boxed_format(completion: str, example: base.Example) -> float:
   del example
   return format_rewards.boxed_answer_format_reward(completion)
@@ -53,13 +70,21 @@ def _score(completion: str, example: base.Example) -> base.ItemScore:
 TASK = base.register_task(base.Task(
     name="math500",
     instruction=INSTRUCTION,
-    reward_terms=(
-        base.RewardTerm("correctness", 2.0, _correctness),
-        base.RewardTerm("boxed_format", 0.5, _boxed_format),
-    ),
+    rewards={
+        "stabledrl": (base.RewardTerm("correctness", 1.0, _official_correctness),
+                      base.ANTI_SHORT_BOXED),
+        "d1": (base.RewardTerm("correctness", 2.0, _correctness),
+               base.RewardTerm("boxed_format", 0.5, _boxed_format)),
+    },
     parse_answer=task_rewards.math_prediction,
     score=_score,
     example_from_record=example_from_record,
-    hub_source=base.HubSource("HuggingFaceH4/MATH-500", split="test"),
+    # Training as the official StableDRL config: MATH (qwedsacf/competition_math, whose one split
+    # holds the 12.5k problems), levels 1-4; evaluation on MATH-500.
+    hub_sources={
+        "train": base.HubSource("qwedsacf/competition_math", split="train",
+                                keep=official_training_record),
+        "test": base.HubSource("HuggingFaceH4/MATH-500", split="test"),
+    },
     aliases=("math",),
 ))

@@ -80,7 +80,8 @@ def _parse_answer(completion: str) -> str | None:
 TASK = base.register_task(base.Task(
     name="sudoku",
     instruction=INSTRUCTION,
-    reward_terms=(base.RewardTerm("correctness", 1.0, _reward),),
+    rewards={"stabledrl": (base.RewardTerm("correctness", 1.0, _reward), base.ANTI_SHORT_BOXED),
+             "d1": (base.RewardTerm("correctness", 1.0, _reward),)},
     parse_answer=_parse_answer,
     score=_score,
     example_from_record=example_from_record,

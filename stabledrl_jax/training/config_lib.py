@@ -49,7 +49,10 @@ def base_config() -> ml_collections.ConfigDict:
       scan_layers=False,
   ))
   c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
-  c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False))
+  # reward: the scheme (tasks.REWARD_SCHEMES): 'stabledrl' (the official StableDRL code's: its
+  # correctness rewards plus anti_short_boxed) or 'd1' (correctness plus format terms).
+  c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False,
+                                          reward="stabledrl"))
   c.data = ml_collections.ConfigDict(dict(
       train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
       generator=ml_collections.ConfigDict()))
@@ -330,6 +333,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
+  from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
+  _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
+           f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
   _require(config.tokenizer.kind in ("char", "llada", "sdar"), "tokenizer.kind",
            f"{config.tokenizer.kind!r} is not 'char', 'llada' or 'sdar'")
   if num_devices is not None:

@@ -303,7 +303,7 @@ class Trainer:
         score = self.task.score(text, example)
         correct += score.correct
         total += score.total
-        reward += self.task.reward(text, example)
+        reward += self.task.reward(text, example, self.config.task.reward)
     return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
             "eval/reward_mean": reward / len(prompts.examples),
             "eval/model_calls": calls / len(prompts.examples)}
@@ -324,7 +324,7 @@ class Trainer:
     rollout_s = time.perf_counter() - start
 
     texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
-    rewards = np.array([self.task.reward(text, examples[i // r.group_size])
+    rewards = np.array([self.task.reward(text, examples[i // r.group_size], config.task.reward)
                         for i, text in enumerate(texts)], np.float32)
     advantages = np.asarray(losses.group_advantages(
         jnp.asarray(rewards), r.group_size,
