@@ -207,7 +207,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     prompt_mask: [B, P] bool, True for real prompt tokens; False positions are never attended to.
     stop_at_eos: stop decoding a row after the block holding its first stop token, and set every
       token after that stop token to EOS (False: decode every block).
-    eos_token_ids: stop tokens (default: the config's eos_token_id); the first one fills.
+    eos_token_ids: stop tokens (default: the config's stop_token_ids); the first one fills.
     use_cache: decode with the KV cache of finished blocks (True) or recompute every step.
     return_reveal_step: also return the global step (block * steps + step) at which each
       completion position was revealed (-1: filled after a stop token, never decoded).
@@ -227,7 +227,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
   if temperature < 0:
     raise ValueError("temperature must be >= 0")
   stop_ids = tuple(int(t) for t in (eos_token_ids if eos_token_ids is not None
-                                    else (model.config.eos_token_id,)))
+                                    else model.config.stop_token_ids))
   if not stop_ids:
     raise ValueError("eos_token_ids must not be empty")
   graphdef, state = nnx.split(model)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +66,13 @@ def num_transfer_tokens(num_masked: Array, steps: int) -> Array:
   return base[:, None] + (step[None, :] < remainder[:, None]).astype(jnp.int32)
 
 
-def completion_mask(tokens: Array, prompt_len: int, eos_token_id: int) -> Array:
-  """[B, G] bool: completion tokens up to and including the first EOS (all if there is none)."""
+def completion_mask(tokens: Array, prompt_len: int, eos_token_id: int | Sequence[int]) -> Array:
+  """[B, G] bool: completion tokens up to and including the first EOS (all if there is none).
+
+  ``eos_token_id``: one id, or several (any of them ends the completion).
+  """
   completion = tokens[:, prompt_len:]
-  is_eos = completion == eos_token_id
+  is_eos = jnp.isin(completion, jnp.atleast_1d(jnp.asarray(eos_token_id)))
   before_or_at_eos = jnp.cumsum(is_eos, axis=1) - is_eos.astype(jnp.int32) == 0
   return before_or_at_eos
 

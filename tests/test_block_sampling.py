@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models
+from stabledrl_jax import models, sampling
+from stabledrl_jax.training import model_family
 from stabledrl_jax.block_sampling import generate
 
 CONFIG = models.get_sdar_config("tiny")
@@ -172,3 +173,20 @@ def test_padding_by_whole_blocks_decodes_like_no_padding(peaked, prompt):
 def test_invalid_arguments_are_rejected(peaked, prompt, kwargs, message):
   with pytest.raises(ValueError, match=message):
     generate(peaked, prompt, key=jax.random.key(0), **kwargs)
+
+
+def test_every_stop_token_of_the_config_ends_a_completion(peaked, prompt):
+  """With the config's stop tokens (an end-of-turn besides EOS) a row stops at either one, the
+  rest filled with EOS, and the trainer's completion mask ends at the first of them."""
+  kw = dict(key=jax.random.key(0), gen_length=12, steps=2, remasking="low_confidence_static")
+  free = np.asarray(generate(peaked, prompt, stop_at_eos=False, **kw))
+  turn_end = int(free[0, 9])
+  eos = CONFIG.eos_token_id
+  chat = models.SDAR(CONFIG.replace(stop_token_ids=(eos, turn_end)), rngs=nnx.Rngs(1))
+  nnx.update(chat, nnx.state(peaked))
+  got = np.asarray(generate(chat, prompt, **kw))
+  first = 6 + np.flatnonzero(free[0, 6:] == turn_end)[0]
+  np.testing.assert_array_equal(got[0, :first + 1], free[0, :first + 1])
+  assert np.all(got[0, first + 1:] == eos)
+  mask = np.asarray(sampling.completion_mask(got, 6, model_family.stop_ids(chat.config)))
+  assert mask[0].sum() == first + 1 - 6 and mask[0, :first + 1 - 6].all()

@@ -429,3 +429,27 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, tensors, edit, error, mes
   path = write_checkpoint(str(tmp_path / "broken"), broken, hf)
   with pytest.raises(error, match=message.replace(".", r"\.")):
     models.from_pretrained(path)
+
+
+def test_a_tied_checkpoint_that_also_stores_the_head_loads_tied(tmp_path, tensors):
+  """As transformers loads it: the stored lm_head.weight is not read, the head is the embedding."""
+  path = write_checkpoint(str(tmp_path / "tied_with_head"), dict(tensors),
+                          {**HF_CONFIG, "tie_word_embeddings": True})
+  model = models.from_pretrained(path)
+  np.testing.assert_array_equal(model.lm_head.kernel[...], tensors["model.embed_tokens.weight"].T)
+  assert not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+
+
+def test_generation_config_stop_tokens_load_and_save(tmp_path, tensors):
+  """SDAR's generation_config.json names <|endoftext|> and <|im_end|>: both end a completion."""
+  path = write_checkpoint(str(tmp_path / "chat"), dict(tensors), HF_CONFIG)
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": [97, 98], "pad_token_id": 98}, f)
+  model = models.from_pretrained(path)
+  assert model.config.eos_token_id == 98 and model.config.stop_token_ids == (98, 97)
+  models.save_pretrained(model, str(tmp_path / "again"))
+  assert models.from_pretrained(str(tmp_path / "again")).config.stop_token_ids == (98, 97)
+  assert models.get_sdar_config("sdar_8b").stop_token_ids == (151643, 151645)
+  assert models.get_sdar_config("tiny").stop_token_ids == (126,)
+  with pytest.raises(ValueError, match="stop_token_ids"):
+    models.get_sdar_config("tiny", stop_token_ids=(5, 126))

@@ -31,8 +31,9 @@ SDAR (Qwen3 names):
     model.norm.weight                                norm.weight                        no
     lm_head.weight                                   lm_head.kernel                     yes
 
-A checkpoint with `tie_word_embeddings: true` (and no lm_head.weight) loads its embedding into
-lm_head as well; the two are then separate parameters, and `save_pretrained` writes them untied.
+A checkpoint with `tie_word_embeddings: true` loads its embedding into lm_head as well (a stored
+lm_head.weight is not read, as transformers re-ties it); the two are then separate parameters,
+and `save_pretrained` writes them untied.
 
 With a mesh, each parameter is built with `jax.make_array_from_callback`: every device reads only
 its own slice of the tensor from the memory-mapped file (`safe_open(...).get_slice`), so no
@@ -63,6 +64,7 @@ from stabledrl_jax.models.sdar import SDAR
 from stabledrl_jax.models.sdar_config import SDARConfig
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -144,7 +146,7 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
   )
   for key in ("mask_token_id", "eos_token_id", "max_sequence_length"):
     if hf.get(key) is not None:
-      fields[key] = hf[key]
+      fields[key] = _first_id(hf[key])
   fields.update(overrides)
   return ModelConfig(**fields)
 
@@ -207,6 +209,10 @@ def _first_id(value: Any) -> Any:
   return value[0] if isinstance(value, (list, tuple)) else value
 
 
+def _as_ids(value: Any) -> list[int]:
+  return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
 def sdar_config_from_hf(hf: dict[str, Any], **overrides) -> SDARConfig:
   """SDARConfig from an SDAR config.json dict; `overrides` set SDARConfig fields (dtypes...)."""
   for key, supported in _SDAR_FIXED_KEYS.items():
@@ -234,6 +240,7 @@ def sdar_config_from_hf(hf: dict[str, Any], **overrides) -> SDARConfig:
   )
   if hf.get("eos_token_id") is not None:
     fields["eos_token_id"] = _first_id(hf["eos_token_id"])
+    fields["stop_token_ids"] = tuple(_as_ids(hf["eos_token_id"]))
   if hf.get("max_position_embeddings") is not None:
     fields["max_position_embeddings"] = hf["max_position_embeddings"]
   fields.update(overrides)
@@ -267,6 +274,8 @@ class _Family:
   config_from_hf: Callable[..., Any]
   config_to_hf: Callable[[Any], dict[str, Any]]
   param_names: Callable[[Any, dict[str, Any]], list[tuple[str, tuple[Any, ...], bool]]]
+  # Tensors a checkpoint may hold that are not read (config.json dict -> names).
+  ignored: Callable[[dict[str, Any]], set[str]] = lambda hf: set()
 
 
 FAMILIES = {
@@ -274,7 +283,10 @@ FAMILIES = {
                      lambda config, hf: param_names(config)),
     "sdar": _Family(SDAR, sdar_config_from_hf, sdar_config_to_hf,
                     lambda config, hf: sdar_param_names(
-                        config, tied=bool(hf.get("tie_word_embeddings", False)))),
+                        config, tied=bool(hf.get("tie_word_embeddings", False))),
+                    # A tied checkpoint that also stores lm_head.weight loads tied, as
+                    # transformers loads it (the stored head is not read).
+                    lambda hf: {"lm_head.weight"} if hf.get("tie_word_embeddings") else set()),
 }
 
 
@@ -358,8 +370,19 @@ def _load_array(reader: _Reader, name: str, shape: tuple[int, ...], transpose: b
 
 
 def _read_hf_config(path: str) -> dict[str, Any]:
+  """config.json, its ``eos_token_id`` extended by generation_config.json's stop tokens (a chat
+  model's end-of-turn token, e.g. SDAR's <|im_end|>), config.json's own first."""
   with open(os.path.join(path, CONFIG_FILE)) as f:
-    return json.load(f)
+    hf = json.load(f)
+  generation = os.path.join(path, GENERATION_CONFIG_FILE)
+  if os.path.exists(generation):
+    with open(generation) as f:
+      stops = json.load(f).get("eos_token_id")
+    if stops is not None:
+      own = _as_ids(hf["eos_token_id"]) if hf.get("eos_token_id") is not None else []
+      merged = list(dict.fromkeys(own + _as_ids(stops)))
+      hf["eos_token_id"] = merged[0] if len(merged) == 1 else merged
+  return hf
 
 
 def load_config(path: str, **overrides) -> ModelConfig | SDARConfig:
@@ -411,7 +434,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
     if missing:
       raise CheckpointError(f"checkpoint {path} is missing tensor {missing[0]!r}"
                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    unexpected = sorted(present - expected)
+    unexpected = sorted(present - expected - family.ignored(hf_config))
     if unexpected:
       raise CheckpointError(f"checkpoint {path} has unexpected tensor {unexpected[0]!r}"
                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
@@ -473,6 +496,10 @@ def save_pretrained(model: LLaDA | SDAR, path: str, *, max_shard_bytes: int = 5 
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
+  stops = list(getattr(config, "stop_token_ids", ()))
+  if len(stops) > 1:  # As the releases: the chat model's stop tokens in generation_config.json.
+    with open(os.path.join(path, GENERATION_CONFIG_FILE), "w") as f:
+      json.dump({"eos_token_id": stops, "pad_token_id": config.eos_token_id}, f, indent=2)
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   entries = family.param_names(config, hf_config)
   sizes = [int(np.prod(flat[p].shape)) * jnp.dtype(flat[p].dtype).itemsize for _, p, _ in entries]

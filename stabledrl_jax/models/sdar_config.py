@@ -40,7 +40,9 @@ class SDARConfig:
     rope_theta: RoPE base.
     block_size: the diffusion block size (tokens decoded together; 4 for the released models).
     mask_token_id: the absorbing [MASK] token.
-    eos_token_id: end of sequence (the sampler's default stop token).
+    eos_token_id: end of sequence (the token that fills a completion after it stops).
+    stop_token_ids: every token that ends a completion (the release's generation_config.json
+      names <|endoftext|> 151643 and <|im_end|> 151645); () means (eos_token_id,).
     max_position_embeddings: informational (written back to config.json); RoPE needs no table.
     param_dtype, dtype, logits_dtype: storage, compute and logits dtypes.
     remat: rematerialize each layer in the backward pass.
@@ -60,6 +62,7 @@ class SDARConfig:
   block_size: int = 4
   mask_token_id: int = 151669
   eos_token_id: int = 151643
+  stop_token_ids: tuple[int, ...] = ()
   max_position_embeddings: int = 32768
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32
@@ -84,6 +87,11 @@ class SDARConfig:
       value = getattr(self, name)
       if not 0 <= value < self.vocab_size:
         raise ValueError(f"SDARConfig.{name} ({value}) must lie in [0, vocab_size)")
+    stops = tuple(int(t) for t in self.stop_token_ids) or (int(self.eos_token_id),)
+    if stops[0] != self.eos_token_id or not all(0 <= t < self.vocab_size for t in stops):
+      raise ValueError(f"SDARConfig.stop_token_ids {stops} must start with eos_token_id "
+                       f"({self.eos_token_id}) and lie in [0, vocab_size)")
+    object.__setattr__(self, "stop_token_ids", stops)
     if not self.rope_theta > 0:
       raise ValueError(f"SDARConfig.rope_theta must be > 0, got {self.rope_theta}")
     if not self.rms_norm_eps > 0:
@@ -101,7 +109,9 @@ class SDARConfig:
 
 
 _QWEN3_COMMON = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1_000_000.0, block_size=4,
-                     mask_token_id=151669, eos_token_id=151643, max_position_embeddings=32768,
+                     mask_token_id=151669, eos_token_id=151643,
+                     stop_token_ids=(151643, 151645),  # <|endoftext|>, <|im_end|>
+                     max_position_embeddings=32768,
                      param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, logits_dtype=jnp.float32)
 
 _CONFIGS = {

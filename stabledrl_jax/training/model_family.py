@@ -123,6 +123,7 @@ class Family:
     likelihood_fn: (model, attention_mask [B, L]) -> the model as the estimator sees it.
     generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, rollout,
       temperature, steps, remasking, threshold) -> (tokens [B, P + G], model calls [B]).
+    stop_ids: model config -> the tokens that end a completion (its first EOS or any of them).
   """
 
   name: str
@@ -135,6 +136,7 @@ class Family:
   block_size: Callable[[Any], int | None]
   likelihood_fn: Callable[[Any, Array], Callable[..., Array]]
   generate: Callable[..., tuple[Array, Array]]
+  stop_ids: Callable[[Any], tuple[int, ...]]
 
   @property
   def fields(self) -> tuple[str, ...]:
@@ -147,12 +149,15 @@ FAMILIES: dict[str, Family] = {
         get_config=models.get_config, aliases={v: k for k, v in _SHARED_FIELDS.items()},
         vocab_fields=("vocab_size", "embedding_size"), remasking=sampling.REMASKING,
         block_size=lambda config: None, likelihood_fn=_llada_likelihood_fn,
-        generate=_llada_generate),
+        generate=_llada_generate,
+        # The official code ends a completion at its first EOS (126081) only.
+        stop_ids=lambda config: (config.eos_token_id,)),
     "sdar": Family(
         name="sdar", config_cls=models.SDARConfig, config_names=models.SDAR_CONFIG_NAMES,
         get_config=models.get_sdar_config, aliases=_SHARED_FIELDS, vocab_fields=("vocab_size",),
         remasking=tuple(_SDAR_REMASKING), block_size=lambda config: config.block_size,
-        likelihood_fn=_sdar_likelihood_fn, generate=_sdar_generate),
+        likelihood_fn=_sdar_likelihood_fn, generate=_sdar_generate,
+        stop_ids=lambda config: config.stop_token_ids),
 }
 
 
@@ -175,6 +180,11 @@ def of(model_config: Any) -> Family:
 def block_size(model_config: Any) -> int | None:
   """The block size of a block diffusion model's config; None for full attention."""
   return of(model_config).block_size(model_config)
+
+
+def stop_ids(model_config: Any) -> tuple[int, ...]:
+  """The tokens that end a completion of this model (see ``Family.stop_ids``)."""
+  return of(model_config).stop_ids(getattr(model_config, "config", model_config))
 
 
 def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:

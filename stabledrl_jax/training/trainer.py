@@ -265,8 +265,8 @@ class Trainer:
                  stressed: np.ndarray | None = None) -> rl_loss.RolloutBatch:
     """Arrays of the rollouts, sharded over the batch axis."""
     r = self.config.rollout
-    completion = np.asarray(sampling.completion_mask(tokens, r.prompt_length,
-                                                     self.model_config.eos_token_id))
+    completion = np.asarray(sampling.completion_mask(
+        tokens, r.prompt_length, model_family.stop_ids(self.model_config)))
     no_gen = np.zeros((tokens.shape[0], r.gen_length), bool)
     no_prompt = np.zeros_like(prompt_mask)
     batch = rl_loss.RolloutBatch(

@@ -1,0 +1,103 @@
+r"""The quickstart over several seeds: greedy eval accuracy per evaluation, gain, wall-clock time.
+
+  python experiments/quickstart_seeds.py --workdir runs/quickstart_seeds [--seeds 0,1,2] \
+      [--config configs/quickstart.py] [--readme README.md]
+
+Each seed runs ``python -m stabledrl_jax.train --config CONFIG --config.seed=S`` into
+``WORKDIR/seed_S`` (its own supervised start and held-out set), as a new user would. Prints a
+markdown table, writes ``WORKDIR/summary.json``, and with ``--readme`` rewrites the table between
+the README's ``<!-- quickstart-seeds -->`` markers. A finished seed is not rerun
+(``--summarize_only`` only reads the workdirs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from stabledrl_jax.training import metrics_writer
+
+_CONFIG = flags.DEFINE_string("config", "configs/quickstart.py", "Config file of every run.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Root directory: one workdir per seed.",
+                               required=True)
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds to run.")
+_README = flags.DEFINE_string("readme", None, "Rewrite the table between this file's markers.")
+_SUMMARIZE_ONLY = flags.DEFINE_bool("summarize_only", False, "Read finished runs; run nothing.")
+
+BEGIN, END = "<!-- quickstart-seeds:begin -->", "<!-- quickstart-seeds:end -->"
+_TIME_FILE = "quickstart_seconds.json"
+
+
+def run_seed(seed: int, workdir: str) -> None:
+  """Trains one seed in a subprocess (as the README's command does) unless it finished before."""
+  if os.path.exists(os.path.join(workdir, _TIME_FILE)):
+    return
+  start = time.perf_counter()
+  subprocess.run([sys.executable, "-m", "stabledrl_jax.train", "--config", _CONFIG.value,
+                  "--workdir", workdir, f"--config.seed={seed}"], check=True)
+  with open(os.path.join(workdir, _TIME_FILE), "w") as f:
+    json.dump({"seconds": time.perf_counter() - start}, f)
+
+
+def summarize(seed: int, workdir: str) -> dict:
+  """Eval accuracy by step, the gain of the last evaluation over the start, and the run time."""
+  records = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
+  if not accuracy or 0 not in accuracy:
+    raise ValueError(f"{workdir} has no eval/accuracy at step 0: did the run finish?")
+  last = max(accuracy)
+  with open(os.path.join(workdir, _TIME_FILE)) as f:
+    seconds = json.load(f)["seconds"]
+  return {"seed": seed, "accuracy": accuracy, "start": accuracy[0], "final": accuracy[last],
+          "gain": accuracy[last] - accuracy[0], "seconds": seconds}
+
+
+def table(rows: list[dict]) -> str:
+  steps = sorted({step for row in rows for step in row["accuracy"]})
+  shown = [s for s in steps if s == 0 or s % 20 == 0 or s == steps[-1]]
+  lines = ["| seed | " + " | ".join("0 (start)" if s == 0 else str(s) for s in shown)
+           + " | gain | time |",
+           "|---|" + "---|" * (len(shown) + 2)]
+  for row in rows:
+    cells = [f"{row['accuracy'][s]:.2f}" if s in row["accuracy"] else "" for s in shown]
+    minutes, seconds = divmod(round(row["seconds"]), 60)
+    lines.append(f"| {row['seed']} | " + " | ".join(cells)
+                 + f" | {row['gain']:+.2f} | {minutes} min {seconds:02d} s |")
+  return "\n".join(lines)
+
+
+def rewrite_readme(path: str, text: str) -> None:
+  with open(path) as f:
+    readme = f.read()
+  pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), flags=re.DOTALL)
+  if not pattern.search(readme):
+    raise ValueError(f"{path} has no {BEGIN} ... {END} markers")
+  with open(path, "w") as f:
+    f.write(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", readme))
+
+
+def main(argv) -> None:
+  del argv
+  rows = []
+  for seed in (int(s) for s in _SEEDS.value):
+    workdir = os.path.join(_WORKDIR.value, f"seed_{seed}")
+    if not _SUMMARIZE_ONLY.value:
+      run_seed(seed, workdir)
+    rows.append(summarize(seed, workdir))
+  text = table(rows)
+  print(text)
+  with open(os.path.join(_WORKDIR.value, "summary.json"), "w") as f:
+    json.dump({"config": _CONFIG.value, "rows": rows}, f, indent=2)
+  if _README.value:
+    rewrite_readme(_README.value, text)
+
+
+if __name__ == "__main__":
+  app.run(main)
