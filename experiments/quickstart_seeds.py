@@ -1,7 +1,7 @@
 r"""The quickstart over several seeds: greedy eval accuracy per evaluation, gain, wall-clock time.
 
   python experiments/quickstart_seeds.py --workdir runs/quickstart_seeds [--seeds 0,1,2] \
-      [--config configs/quickstart.py] [--readme README.md]
+      [--config configs/quickstart.py] [--set FIELD=VALUE ...] [--readme README.md]
 
 Each seed runs ``python -m stabledrl_jax.train --config CONFIG --config.seed=S`` into
 ``WORKDIR/seed_S`` (its own supervised start and held-out set), as a new user would. Prints a
@@ -28,6 +28,8 @@ _CONFIG = flags.DEFINE_string("config", "configs/quickstart.py", "Config file of
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root directory: one workdir per seed.",
                                required=True)
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds to run.")
+_SET = flags.DEFINE_multi_string("set", [], "A config override FIELD=VALUE for every run "
+                                  "(passed as --config.FIELD=VALUE); repeatable.")
 _README = flags.DEFINE_string("readme", None, "Rewrite the table between this file's markers.")
 _SUMMARIZE_ONLY = flags.DEFINE_bool("summarize_only", False, "Read finished runs; run nothing.")
 
@@ -41,7 +43,8 @@ def run_seed(seed: int, workdir: str) -> None:
     return
   start = time.perf_counter()
   subprocess.run([sys.executable, "-m", "stabledrl_jax.train", "--config", _CONFIG.value,
-                  "--workdir", workdir, f"--config.seed={seed}"], check=True)
+                  "--workdir", workdir, f"--config.seed={seed}",
+                  *(f"--config.{override}" for override in _SET.value)], check=True)
   with open(os.path.join(workdir, _TIME_FILE), "w") as f:
     json.dump({"seconds": time.perf_counter() - start}, f)
 
@@ -94,7 +97,7 @@ def main(argv) -> None:
   text = table(rows)
   print(text)
   with open(os.path.join(_WORKDIR.value, "summary.json"), "w") as f:
-    json.dump({"config": _CONFIG.value, "rows": rows}, f, indent=2)
+    json.dump({"config": _CONFIG.value, "overrides": _SET.value, "rows": rows}, f, indent=2)
   if _README.value:
     rewrite_readme(_README.value, text)
 

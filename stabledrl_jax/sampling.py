@@ -91,6 +91,12 @@ def categorical(key: Array, logits: Array, temperature: float) -> Array:
   token inside the chunk) so that both cumulative sums are short, cheap and accurate in float32. Tokens with zero
   probability (logit -inf, or underflowing exp) are never drawn.
   """
+  return categorical_from_uniform(jax.random.uniform(key, logits.shape[:-1]), logits,
+                                  temperature)
+
+
+def categorical_from_uniform(uniform: Array, logits: Array, temperature: float) -> Array:
+  """``categorical`` given its uniform draw [...] in [0, 1): the inverse CDF of softmax(logits / T)."""
   vocab = logits.shape[-1]
   chunk = 1 << max(0, (math.isqrt(vocab - 1) + 1).bit_length() - 1)
   pad = -vocab % chunk
@@ -100,7 +106,7 @@ def categorical(key: Array, logits: Array, temperature: float) -> Array:
   weights = weights.reshape(x.shape[:-1] + (-1, chunk))            # [..., chunks, chunk]
   totals = jnp.sum(weights, axis=-1)                                # [..., chunks]
   cdf = jnp.cumsum(totals, axis=-1)
-  u = jax.random.uniform(key, logits.shape[:-1]) * cdf[..., -1]
+  u = uniform * cdf[..., -1]
 
   def first_above(cdf, u, nonzero):
     """Index of the first cdf entry > u; rounding past the end falls on the last nonzero."""
@@ -109,7 +115,10 @@ def categorical(key: Array, logits: Array, temperature: float) -> Array:
     return jnp.minimum(index, last)
 
   c = first_above(cdf, u, totals > 0)
-  before = jnp.take_along_axis(cdf - totals, c[..., None], axis=-1)[..., 0]
+  # The mass before chunk c from the same cumulative sum (not cdf[c] - totals[c], which rounding
+  # can push above u, sending the draw to the chunk's first token even at zero weight).
+  exclusive = jnp.concatenate([jnp.zeros_like(cdf[..., :1]), cdf[..., :-1]], axis=-1)
+  before = jnp.take_along_axis(exclusive, c[..., None], axis=-1)[..., 0]
   inside = jnp.take_along_axis(weights, c[..., None, None], axis=-2)[..., 0, :]
   j = first_above(jnp.cumsum(inside, axis=-1), u - before, inside > 0)
   return (c * chunk + j).astype(jnp.int32)

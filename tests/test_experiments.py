@@ -163,3 +163,38 @@ def test_notebooks_are_committed_without_outputs(path):
   for cell in notebook["cells"]:
     if cell["cell_type"] == "code":
       assert cell["outputs"] == [] and cell["execution_count"] is None, cell["source"][:80]
+
+
+@pytest.mark.slow
+def test_quickstart_seeds_tabulates_runs_and_rewrites_the_readme(tmp_path):
+  readme = tmp_path / "README.md"
+  readme.write_text("before\n<!-- quickstart-seeds:begin -->\nold\n"
+                    "<!-- quickstart-seeds:end -->\nafter\n")
+  overrides = [f"--set={arg[len('--config.'):]}" for arg in TOY] + ["--set=eval.every_steps=1"]
+  out = run_script("quickstart_seeds.py", f"--workdir={tmp_path / 'runs'}", "--seeds=0,1",
+                   f"--readme={readme}", *overrides)
+  summary = json.loads((tmp_path / "runs" / "summary.json").read_text())
+  assert [row["seed"] for row in summary["rows"]] == [0, 1]
+  for row in summary["rows"]:
+    assert row["gain"] == pytest.approx(row["final"] - row["start"])
+    assert row["accuracy"]["0"] == row["start"]
+  text = readme.read_text()
+  assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+  assert "| 0 |" in text and "| 1 |" in text and "| 0 |" in out.stdout
+  again = run_script("quickstart_seeds.py", f"--workdir={tmp_path / 'runs'}", "--seeds=0,1",
+                     "--summarize_only")
+  assert again.stdout == out.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_gains_ten_points_for_seed_0(tmp_path):
+  """The README's headline result, as a new user runs it: the quickstart command of the README,
+  seed 0, with XLA's default optimization (the suite's -O0 flag removed)."""
+  env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace(
+      "--xla_backend_optimization_level=0", "").strip()}
+  subprocess.run([sys.executable, "-m", "stabledrl_jax.train", "--config",
+                  str(REPO / "configs" / "quickstart.py"), "--workdir", str(tmp_path)],
+                 check=True, cwd=REPO, env=env, capture_output=True, timeout=1800)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  accuracy = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+  assert accuracy[-1] - accuracy[0] >= 10.0, accuracy

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models
+from stabledrl_jax import models, sampling
 from stabledrl_jax.sampling import categorical, completion_mask, generate, num_transfer_tokens
 
 CONFIG = models.get_config("tiny")
@@ -353,3 +353,22 @@ def test_fixed_schedules_report_every_step_as_a_call(tiny, prompt):
                       block_length=8, return_stats=True)
   np.testing.assert_array_equal(stats["model_calls"], [6, 6, 6])
   assert int(stats["forward_passes"]) == 6
+
+
+def test_categorical_never_draws_a_zero_probability_token_at_a_chunk_boundary():
+  """A uniform that lands exactly on (or just past) the mass of the first chunk must not draw the
+  next chunk's first token when that token has probability 0."""
+  vocab, rows = 32, 2000  # chunks of 4 tokens
+  logits = jax.random.normal(jax.random.key(0), (rows, vocab)) * 3
+  logits = logits.at[:, 4].set(-jnp.inf)  # the first token of chunk 1
+  weights = np.exp(np.asarray(logits - logits.max(-1, keepdims=True), np.float32))
+  totals = weights.reshape(rows, -1, 4).sum(-1)
+  cdf = np.cumsum(totals, -1, dtype=np.float32)
+  draws = []
+  for ulps in range(4):
+    target = cdf[:, 0]
+    for _ in range(ulps):
+      target = np.nextafter(target, np.float32(np.inf))
+    uniform = (target / cdf[:, -1]).astype(np.float32)
+    draws.append(np.asarray(sampling.categorical_from_uniform(jnp.asarray(uniform), logits, 1.0)))
+  assert not np.any(np.concatenate(draws) == 4)
