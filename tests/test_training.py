@@ -125,6 +125,41 @@ def test_mesh_must_match_the_devices():
     config_lib.validate(tiny_config(**{"mesh.data": 3}), num_devices=8)
 
 
+@pytest.mark.parametrize("objective,level,official", [
+    ("grpo", "token", dict(method="mean_field", num_samples=1, prompt_mask_prob=0.15,
+                           coupled_ratio=True, normalize="sum")),
+    ("grpo", "sequence", dict(method="elbo", num_samples=2, coupled_ratio=True)),
+    ("espo", None, dict(method="espo_elbo", num_samples=2, coupled_ratio=True, normalize="sum")),
+    ("spg", None, dict(method="block_random", num_samples=2, prompt_mask_prob=0.15,
+                       block_length=32, normalize="mean")),
+    ("wd1", None, dict(method="mean_field", num_samples=1, prompt_mask_prob=0.15,
+                       normalize="sum")),
+    ("stabledrl", None, dict(method="block_random", num_samples=2, prompt_mask_prob=0.15,
+                             coupled_ratio=False, normalize="mean")),
+])
+def test_the_objective_name_alone_gives_its_official_estimator(objective, level, official):
+  config = config_lib.base_config()
+  config.objective.name = objective
+  if level:
+    config.objective.grpo.level = level
+  settings = config_lib.estimator_settings(config)
+  assert {k: settings[k] for k in official} == official
+  # Every setting stays overridable; another method keeps its own option defaults.
+  config.estimator.update(num_samples=3, coupled_ratio=not settings["coupled_ratio"])
+  assert config_lib.estimator_settings(config)["num_samples"] == 3
+  config.estimator.method = "block_random_unbiased"
+  assert set(config_lib.estimator_settings(config)) == {
+      "method", "num_samples", "normalize", "coupled_ratio", "block_length"}
+
+
+def test_an_option_the_method_does_not_take_is_a_config_error():
+  config = tiny_config(**{"estimator.schedule": "count"})  # the quickstart's elbo: fine
+  config_lib.validate(config)
+  config = tiny_config(**{"estimator.method": "mean_field", "estimator.block_length": 8})
+  with pytest.raises(ValueError, match="estimator.block_length"):
+    config_lib.validate(config)
+
+
 def test_every_shipped_config_validates():
   for path in sorted((REPO / "configs").glob("*.py")):
     config_lib.validate(load_config(path.stem))

@@ -25,6 +25,9 @@ from stabledrl_jax.training import model_family, rl_loss
 _ESTIMATOR_FIELDS = ("method", "num_samples", "normalize", "coupled_ratio", "block_length",
                      "prompt_mask_prob", "schedule", "coupled")
 _DEFAULT_BLOCK_LENGTH = 32
+# The estimator settings that belong to the objective whatever the method (the rest are options
+# of the official method's mask sampler).
+_OBJECTIVE_ESTIMATOR_FIELDS = ("num_samples", "normalize", "coupled_ratio")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -204,7 +207,11 @@ def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   objective = losses.get_objective(config.objective.name)
   settings = {"normalize": objective.normalize, "block_length": _DEFAULT_BLOCK_LENGTH,
               "coupled_ratio": False, "num_samples": 1}
-  settings.update(objective.estimator(_objective_section(config)))
+  official = objective.estimator(_objective_section(config))
+  if config.estimator.method and config.estimator.method != official["method"]:
+    # Another method than the official one: its options keep their own defaults.
+    official = {k: v for k, v in official.items() if k in _OBJECTIVE_ESTIMATOR_FIELDS}
+  settings.update(official)
   for field in _ESTIMATOR_FIELDS:
     value = config.estimator.get(field)
     if value is not None and value != "":
