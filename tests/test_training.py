@@ -160,6 +160,18 @@ def test_an_option_the_method_does_not_take_is_a_config_error():
     config_lib.validate(config)
 
 
+@pytest.mark.parametrize("name", ["llada8b_gsm8k", "llada8b_math", "llada8b_countdown",
+                                  "llada8b_sudoku", "sdar8b_math"])
+def test_paper_configs_run_the_official_schedule_on_float32_master_weights(name):
+  config = load_config(name)
+  # The official total_steps counts optimizer updates: 2000 = 1000 rollout batches x mu 2.
+  assert config.train.num_steps * config.train.num_iterations == 2000
+  assert (config.model.param_dtype, config.model.dtype) == ("float32", "bfloat16")
+  assert config.optimizer.schedule == "linear" and config.optimizer.end_lr_factor == 0.0
+  assert config_lib.estimator_method(config) == "block_random"
+  assert config.task.reward == "stabledrl"
+
+
 def test_every_shipped_config_validates():
   for path in sorted((REPO / "configs").glob("*.py")):
     config_lib.validate(load_config(path.stem))
