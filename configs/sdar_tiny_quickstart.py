@@ -30,4 +30,6 @@ def get_config():
   # position); rollout.block_length is LLaDA's and only recorded here.
   c.rollout.update(prompt_length=32, gen_length=40, steps=20, block_length=8,
                    remasking="low_confidence")
+  c.sft.num_steps = 400  # The setting of its measured run (docs/block_diffusion.md).
+  c.eval.every_steps = 10
   return c

@@ -18,7 +18,8 @@ with condition ``normal`` or ``stress``:
   iterations; a non-finite norm counts as exploded and is left out of mean and max);
 - ``explosion_rate``: the fraction of steps whose norm exceeds the objective's own threshold,
   ``--explosion_factor`` x the median norm of its normal run (``explosion_threshold``);
-- ``final_reward``: the mean rollout reward of the last ``--final_steps`` steps;
+- ``final_reward``: the mean rollout correctness reward (the task's own, without StableDRL's
+  anti-short-boxed term) of the last ``--final_steps`` steps;
 - ``max_log10_ratio``: the largest log10 rho the objective saw (None without a ratio; StableDRL's
   is its length-normalized ratio, as the paper defines it);
 - for StableDRL, ``bound_ratio_max``: the largest ||grad|| / (max_j |A_j| ||grad s_j||) over all
@@ -60,12 +61,12 @@ CONDITIONS = ("normal", "stress")
 
 def summarize(result, threshold: float, final_steps: int) -> dict:
   """The summary.json entry of one run (see the module docstring)."""
-  from stabledrl_jax.training.sweep import metric  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
   steps = [h for h in result.history if "grad_norm" in h]
   norms = [metric(h, "grad_norm") for h in steps]
   finite = [n for n in norms if math.isfinite(n)]
   ratios = [metric(h, "log10_ratio/max") for h in steps if "log10_ratio/max" in h]
-  rewards = [metric(h, "reward/mean") for h in steps[-final_steps:]]
+  rewards = [metric(h, REWARD_METRIC) for h in steps[-final_steps:]]
   summary = {
       "grad_norm_mean": statistics.fmean(finite) if finite else float("nan"),
       "grad_norm_max": max(finite) if finite else float("nan"),
@@ -89,7 +90,7 @@ def plot(results: dict, names: list[str], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")  # Files only: no display needed.
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training.sweep import metric  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
 
   fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.4), sharex=True,
                            squeeze=False)
@@ -101,14 +102,15 @@ def plot(results: dict, names: list[str], path: str) -> None:
       steps = [h for h in result.history if "grad_norm" in h]
       x = [h["step"] for h in steps]
       axes[0, col].plot(x, [metric(h, "grad_norm") for h in steps], style, label=condition)
-      axes[1, col].plot(x, [metric(h, "reward/mean") for h in steps], style, label=condition)
+      axes[1, col].plot(x, [metric(h, REWARD_METRIC) for h in steps], style,
+                        label=condition)
     axes[0, col].set_title(name, fontsize=10)
     axes[0, col].set_yscale("log")
     axes[1, col].set_xlabel("RL step")
     for row in range(2):
       axes[row, col].grid(alpha=0.3)
   axes[0, 0].set_ylabel("grad norm (pre-clip)")
-  axes[1, 0].set_ylabel("reward (mean)")
+  axes[1, 0].set_ylabel("correctness reward (mean)")
   axes[0, 0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -18,6 +18,9 @@ import ml_collections
 from stabledrl_jax.training import metrics_writer, trainer
 
 _RESULT_FILE = "run_result.json"
+# The reward the sweeps report: the task's correctness term (every task has one), without the
+# terms every completion gets (StableDRL's anti-short-boxed reward).
+REWARD_METRIC = "reward/correctness"
 
 # The objectives compared, as (name, config overrides as dotted paths). Each runs with its
 # official loss and estimator settings (losses.py registrations), except what the sweep's config

@@ -324,8 +324,11 @@ class Trainer:
     rollout_s = time.perf_counter() - start
 
     texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
-    rewards = np.array([self.task.reward(text, examples[i // r.group_size], config.task.reward)
-                        for i, text in enumerate(texts)], np.float32)
+    terms = self.task.reward_terms(config.task.reward)
+    components = np.array([[values[term.name] for term in terms] for values in (
+        self.task.reward_components(text, examples[i // r.group_size], config.task.reward)
+        for i, text in enumerate(texts))], np.float32).reshape(len(texts), len(terms))
+    rewards = components @ np.array([term.weight for term in terms], np.float32)
     advantages = np.asarray(losses.group_advantages(
         jnp.asarray(rewards), r.group_size,
         scale_by_std=config.objective.scale_advantages_by_std,
@@ -363,6 +366,7 @@ class Trainer:
     elapsed = time.perf_counter() - start
     metrics.update({
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        **{f"reward/{term.name}": float(components[:, j].mean()) for j, term in enumerate(terms)},
         "advantage/abs_mean": float(np.abs(advantages).mean()),
         "completion/length_mean": float(completion.sum(-1).mean()),
         "rollout/model_calls": float(calls.mean()),
