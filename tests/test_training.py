@@ -441,6 +441,9 @@ def _comparable(records):
     ("grpo", {"objective.grpo.level": "token", "estimator.method": ""}),  # d1: mean_field
     ("grpo", {"objective.grpo.level": "sequence"}),
     ("espo", {"estimator.schedule": "count", "estimator.coupled": True}),
+    ("espo", {"estimator.method": "", "estimator.num_samples": None}),  # its official ELBO, KL
+    ("stabledrl", {"estimator.method": "", "estimator.num_samples": None,  # the paper's
+                   "objective.stabledrl.surrogate": "sandwich"}),
     ("spg", {}),
     ("wd1", {}),
 ])
@@ -452,6 +455,9 @@ def test_every_objective_runs_a_step(objective, extra, tmp_path, sft_start):
   record = history[0]
   for name in ("loss", "grad_norm", "reward/mean", "skipped_steps", "update_norm"):
     assert np.isfinite(record[name]), (name, record)
+  # The reward's terms (sudoku: correctness plus StableDRL's anti-short-boxed term) add up.
+  assert record["reward/mean"] == pytest.approx(
+      record["reward/correctness"] + record["reward/anti_short_boxed"], abs=1e-6)
   lines = metrics_writer.read_metrics(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in lines] == [1]
 

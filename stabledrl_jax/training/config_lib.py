@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from stabledrl_jax import estimators, losses
+from stabledrl_jax import estimators, losses, tasks
 from stabledrl_jax.training import model_family, rl_loss
 
 # Estimator fields that, left unset (None or ''), take the objective's official value
@@ -322,6 +322,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
            "objective.advantage_baseline",
            f"{config.objective.advantage_baseline!r} is not '' or one of "
            f"{losses.ADVANTAGE_BASELINES}")
+  _require(advantage_baseline(config) != "leave_one_out" or r.group_size >= 2,
+           "rollout.group_size", "a leave-one-out advantage baseline needs at least 2")
   o = config.optimizer
   _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
   _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
@@ -340,7 +342,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
-  from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
   _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
            f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
   _require(config.tokenizer.kind in ("char", "llada", "sdar"), "tokenizer.kind",
