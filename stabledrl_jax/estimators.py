@@ -300,17 +300,19 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
 
 
 def _generation_blocks(prompt_mask: Array, completion_mask: Array,
-                       block_length: int) -> tuple[Array, Array, Array]:
+                       block_length: int) -> tuple[Array, Array, Array, Array]:
   """The generation's blocks: (block of each position [B, L], -1 outside the generation;
-  number of generation blocks [B]; number of blocks the completion spans [B]), both >= 1."""
+  number of generation blocks [B]; number of blocks the completion spans [B], both >= 1;
+  the positions after the completion [B, L], ``past_completion``)."""
   if block_length < 1:
     raise ValueError(f"block_length must be >= 1, got {block_length}.")
-  generation = completion_mask | past_completion(prompt_mask, completion_mask)
+  past = past_completion(prompt_mask, completion_mask)
+  generation = completion_mask | past
   rank = jnp.cumsum(generation.astype(jnp.int32), axis=-1) - 1
   block_of = jnp.where(generation, rank // block_length, -1)
   ceil_div = lambda n: jnp.maximum(-(-n // block_length), 1)
   return (block_of, ceil_div(jnp.sum(generation, axis=-1)),
-          ceil_div(jnp.sum(completion_mask, axis=-1)))
+          ceil_div(jnp.sum(completion_mask, axis=-1)), past)
 
 
 def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
@@ -329,8 +331,8 @@ def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   key_perm, key_count, key_mask, key_prompt = jax.random.split(key, 4)
   k = num_samples
   batch, length_max = completion_mask.shape
-  block_of, gen_blocks, completion_blocks = _generation_blocks(prompt_mask, completion_mask,
-                                                               block_length)
+  block_of, gen_blocks, completion_blocks, past = _generation_blocks(
+      prompt_mask, completion_mask, block_length)
   # A uniform permutation of each row's generation blocks: its first gen_blocks entries.
   slots = -(-length_max // block_length)
   priority = jnp.where(jnp.arange(slots) < gen_blocks[:, None],
@@ -346,8 +348,7 @@ def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   inside = _random_subset(key_mask, chosen & completion_mask[None], count)
   later = block_of[None] > block[..., None]
   earlier = (prompt_mask | completion_mask)[None] & ~chosen & ~later
-  past = past_completion(prompt_mask, completion_mask)[None]
-  noisy = inside | later | past | _bernoulli_subset(key_prompt, earlier, prompt_mask_prob)
+  noisy = inside | later | past[None] | _bernoulli_subset(key_prompt, earlier, prompt_mask_prob)
   scored = noisy & completion_mask[None]
   scored_count = jnp.sum(scored, axis=-1).astype(jnp.float32)
   length_f = length[None].astype(jnp.float32)
@@ -366,7 +367,7 @@ def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask
   k = num_samples
   batch = completion_mask.shape[0]
   length = jnp.sum(completion_mask, axis=-1).astype(jnp.int32)  # [B]
-  block_of, _, num_blocks = _generation_blocks(prompt_mask, completion_mask, block_length)
+  block_of, _, num_blocks, past = _generation_blocks(prompt_mask, completion_mask, block_length)
   num_blocks = num_blocks * (length > 0)
   block = jax.random.randint(key_block, (k, batch), 0, jnp.maximum(num_blocks, 1))
   block_size = jnp.clip(length[None] - block * block_length, 0, block_length)  # [K, B]
@@ -375,8 +376,7 @@ def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask
   in_block = (block_of[None] == block[..., None]) & completion_mask[None]
   later = block_of[None] > block[..., None]
   masked = _random_subset(key_mask, in_block, count)
-  noisy = (masked | later | past_completion(prompt_mask, completion_mask)[None]
-           | _mask_prompt(key_prompt, prompt_mask, k, prompt_mask_prob))
+  noisy = masked | later | past[None] | _mask_prompt(key_prompt, prompt_mask, k, prompt_mask_prob)
   # One of num_blocks blocks, m of its n tokens: a token is scored with
   # probability m / (num_blocks * n), so weighting by the inverse makes the sum
   # form unbiased; dividing by L gives the per-token mean.
