@@ -1,4 +1,4 @@
-"""StableDRL on LLaDA-8B-Instruct, sudoku: the paper's setting (SPEC section 8).
+"""StableDRL on LLaDA-8B-Instruct, sudoku: the paper's setting (docs/training.md, "Configs").
 
   python -m stabledrl_jax.train --config configs/llada8b_sudoku.py --workdir runs/llada8b_sudoku \\
     --config.model.checkpoint=/path/to/LLaDA-8B-Instruct \\

@@ -1,4 +1,4 @@
-"""StableDRL on SDAR-8B-Chat (block diffusion), math500: the paper's setting (SPEC section 8).
+"""StableDRL on SDAR-8B-Chat (block diffusion), math500: the paper's setting (docs/training.md, "Configs").
 
   python -m stabledrl_jax.train --config configs/sdar8b_math.py --workdir runs/sdar8b_math \\
     --config.model.checkpoint=/path/to/SDAR-8B-Chat \\

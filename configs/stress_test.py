@@ -1,4 +1,4 @@
-r"""Stress test (SPEC section 5) at quickstart scale: every objective, normal and stressed.
+r"""Stress test (docs/stress_test.md) at quickstart scale: every objective, normal and stressed.
 
   python experiments/stress_test.py --config configs/stress_test.py --workdir runs/stress_test
 

@@ -215,7 +215,7 @@ def fixed_block_masks(completion_mask: Array, *, block_size: int, rate: float = 
     token is scored given the clean blocks before its own and nothing of its block: the block
     model's mean-field (d1's one-pass per-token log-probs, blockwise). Deterministic, so one row
     suffices.
-  * the stress test (SPEC section 5, per block): ``position="tail"`` with a small rate masks
+  * the stress test (docs/stress_test.md, per block): ``position="tail"`` with a small rate masks
     only the last tokens of each block, which see the rest of their block ("easy": a high
     estimate, the numerator); ``position="head"`` with rate 1 masks whole blocks ("hard": a low
     estimate, the denominator).

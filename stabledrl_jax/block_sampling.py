@@ -189,7 +189,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
              eos_token_ids: Sequence[int] | None = None, use_cache: bool = True,
              return_reveal_step: bool = False,
              return_stats: bool = False) -> Array | tuple[Array, ...]:
-  """Sample completions block by block from a block diffusion model (SPEC sections 6 and 7).
+  """Sample completions block by block from a block diffusion model (docs/block_diffusion.md).
 
   Args:
     model: an SDAR model (or any NNX module with `config` (block_size, mask_token_id,

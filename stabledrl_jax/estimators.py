@@ -14,7 +14,7 @@ numerator and the denominator of a ratio, or replaced (stress test):
 2. ``estimate_from_masks``: one forward pass over all B * K noised rows, then a
    weighted sum of the scored token log-probs.
 
-``estimate_logp`` does both. Methods (SPEC section 4):
+``estimate_logp`` does both. Methods (docs/algorithms.md):
 
 * ``mean_field`` (d1): the whole completion masked; prompt tokens masked with
   probability ``prompt_mask_prob`` (0.15). Exact for a model whose logits ignore
@@ -42,7 +42,7 @@ other method, never visible context, as in d1's, SPG's and StableDRL's code
 
 ``eubo_from_samples`` turns the same token log-probs into SPG's upper bound
 EUBO_beta, and ``stress_masks`` builds the importance-weight-explosion masks
-of SPEC section 5.
+of docs/stress_test.md.
 """
 
 from __future__ import annotations
@@ -571,7 +571,7 @@ def eubo_from_samples(token_logp: Array, masks, *, beta: float = 1.5) -> Array:
 
 
 # ---------------------------------------------------------------------------
-# Stress test: importance-weight explosion (SPEC section 5).
+# Stress test: importance-weight explosion (docs/stress_test.md).
 # ---------------------------------------------------------------------------
 
 

@@ -44,7 +44,7 @@ from stabledrl_jax import evaluation, models, sampling, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, mesh as mesh_lib
 
 D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
-# The d1 test sets of SPEC section 9 that are files; gsm8k and math500 come from the Hub.
+# The d1 test sets (docs/tasks.md) that are files; gsm8k and math500 come from the Hub.
 D1_TEST_FILES = {"countdown": "countdown_cd3_test.jsonl", "sudoku": "4x4_test_sudoku.csv"}
 D1_ASSISTANT_PREFIX = "<reasoning>"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9.-]+")

@@ -5,7 +5,7 @@ Generation files follow d1: JSON {"generations": [{"question", "generations", "g
 (the name without "_SHARD_generations.json", e.g. "gsm8k_instruct_256_128") are pooled, and each
 item is scored by its task's metric (`Task.score`).
 
-    python -m stabledrl_jax.evaluation ../shared/data/d1_baseline_generations --output results.json
+    python -m stabledrl_jax.evaluation DIR_OF_D1_GENERATION_FILES --output results.json
 
 prints a table of setup, accuracy (%) and n (items), and writes
 {"<setup>": {"accuracy": <percent>, "n": <int>}}.

@@ -5,7 +5,7 @@ is jit-able, handles padding through masks, and returns ``(loss, metrics)``
 where ``loss`` is the scalar to *minimize* and ``metrics`` a flat dict of
 scalars with stable names (``log_ratio/max``, ``snis/ess``, ``clip/frac_upper``).
 
-Notation (SPEC section 2): a batch holds P prompts x G completions, N = P * G,
+Notation (docs/algorithms.md): a batch holds P prompts x G completions, N = P * G,
 each group contiguous. ``A`` are advantages, ``l`` likelihood estimates,
 ``log_ratio = l_theta - l_old`` (log rho) and ``s`` a surrogate log-likelihood
 that carries the gradient.

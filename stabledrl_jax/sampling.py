@@ -308,7 +308,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
              threshold: float = 0.9, cfg_scale: float = 0.0, prompt_mask: Array | None = None,
              stop_at_eos: bool = False, return_reveal_step: bool = False,
              return_stats: bool = False) -> Array | tuple[Array, ...]:
-  """Sample completions of `prompt_tokens` by low-confidence remasking (SPEC section 7).
+  """Sample completions of `prompt_tokens` by low-confidence remasking (docs/models.md, "Sampling").
 
   Args:
     model: an NNX module with `config` (mask_token_id, eos_token_id, vocab_size, embedding_size),

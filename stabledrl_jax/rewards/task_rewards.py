@@ -1,4 +1,4 @@
-"""Correctness rewards for countdown, sudoku, GSM8K and MATH (SPEC section 9, d1 conventions).
+"""Correctness rewards for countdown, sudoku, GSM8K and MATH (docs/tasks.md, d1 conventions).
 
 Each reward is a pure function of one completion and its ground truth and returns a float in
 [0, 1]. A completion is untrusted text: any string (empty, garbled, a megabyte, "9**9**9**9",

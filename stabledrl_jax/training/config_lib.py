@@ -31,7 +31,7 @@ _OBJECTIVE_ESTIMATOR_FIELDS = ("num_samples", "normalize", "coupled_ratio")
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """Every field, with the paper-scale defaults (SPEC section 8) where they apply."""
+  """Every field, with the paper-scale defaults (docs/training.md, "Configs") where they apply."""
   c = ml_collections.ConfigDict()
   c.seed = 113
 
@@ -102,7 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
       prompt_mask_prob=config_dict.placeholder(float),
       schedule="",
       coupled=config_dict.placeholder(bool),
-      # Stress test (SPEC section 5): in this fraction of the samples (0: off), l_theta uses
+      # Stress test (docs/stress_test.md): in this fraction of the samples (0: off), l_theta uses
       # "easy" masks (the last ceil(easy_rate * L) completion tokens, t_min) and l_old "hard"
       # ones (the first ceil(hard_rate * L), t_max), so that log rho explodes.
       stress=ml_collections.ConfigDict(dict(fraction=0.0, easy_rate=0.1, hard_rate=1.0))))
@@ -138,7 +138,7 @@ def from_file(path: str | os.PathLike[str]) -> ml_collections.ConfigDict:
 
 
 def _paper_setting(task: str, learning_rate: float) -> ml_collections.ConfigDict:
-  """The paper's RL setting (SPEC section 8) for ``task``, before the model is chosen."""
+  """The paper's RL setting (docs/training.md, "Configs") for ``task``, before the model is chosen."""
   c = base_config()  # seed 113, StableDRL with the SPG sandwich, ratio clip 5, no KL.
   c.task.update(name=task, with_instruction=True)
   c.data.update(train="hub", eval="hub", train_size=0, eval_size=0)
@@ -156,7 +156,7 @@ def _paper_setting(task: str, learning_rate: float) -> ml_collections.ConfigDict
 
 
 def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
-  """The paper's LLaDA-8B-Instruct setting (SPEC section 8) for ``task``.
+  """The paper's LLaDA-8B-Instruct setting (docs/training.md, "Configs") for ``task``.
 
   Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
   """

@@ -1,4 +1,4 @@
-"""The optimizer: clip_by_global_norm -> AdamW with a learning-rate schedule (SPEC section 8)."""
+"""The optimizer: clip_by_global_norm -> AdamW with a learning-rate schedule (docs/training.md, "Configs")."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ class RolloutBatch:
     advantages: [N] float32 group-relative advantages.
     old_logp: [N] (or [N, L] at token level) estimates under pi_old, no gradient.
     ref_logp: like ``old_logp`` under the frozen reference policy (zeros when unused).
-    stressed: [N] bool, the samples given stress-test masks (SPEC section 5), or None.
+    stressed: [N] bool, the samples given stress-test masks (docs/stress_test.md), or None.
   """
 
   tokens: Array
@@ -226,7 +226,7 @@ def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec:
 def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
                              params: Any, batch: RolloutBatch, key: Array, *,
                              spec: LikelihoodSpec, surrogate: str, omega: float) -> Array:
-  """max_j |A_j| * ||grad_theta s_j||: the bound on StableDRL's gradient norm (SPEC section 3).
+  """max_j |A_j| * ||grad_theta s_j||: the bound on StableDRL's gradient norm (docs/algorithms.md).
 
   StableDRL's gradient is a convex combination (per group) of A_j grad s_j, so its norm never
   exceeds this. s_j is scored on the masks that ``objective_loss`` draws from the same ``key``

@@ -1,4 +1,4 @@
-"""The RL training loop (SPEC section 8): rollouts, rewards, old-policy estimates, mu updates.
+"""The RL training loop (docs/training.md): rollouts, rewards, old-policy estimates, mu updates.
 
 One RL step:
 
@@ -7,7 +7,7 @@ One RL step:
 3. l_old under pi_old (independent masks, or the inner iterations' own masks when
    ``estimator.coupled_ratio``), and l_ref under a frozen reference (the start of RL) when
    the objective has a KL term, on the same masks as l_old. In a
-   stress test (``estimator.stress.fraction > 0``, SPEC section 5) a fraction of the
+   stress test (``estimator.stress.fraction > 0``, docs/stress_test.md) a fraction of the
    samples, chosen once per step, gets "hard" masks for l_old and "easy" masks for l_theta.
 4. ``train.num_iterations`` updates with fresh masks each; a non-finite loss or
    gradient skips its update.
