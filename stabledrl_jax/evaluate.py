@@ -15,9 +15,11 @@ Resuming: each shard file is written atomically once all its rows are decoded, s
 same command skips the finished shards and starts at the first unfinished one. Row noise comes
 from fold_in(seed, shard, batch), so a resumed run writes what an uninterrupted one would.
 
-Several hosts (jax.distributed, --distributed): host p of P decodes shards p, p + P, ... on a mesh
-of its own devices, so file names never collide and no host waits for another before the end;
-then host 0 scores the directory (with every host's files when the directory is shared).
+Several processes (docs/pods.md; on TPU pods, Slurm and Open MPI detected, elsewhere
+--coordinator_address HOST:PORT --num_processes N --process_id I): process p of P decodes shards
+p, p + P, ... on a mesh of its own devices, so file names never collide and no process waits
+for another before the end; then process 0 scores the directory (with every process's files
+when the directory is shared).
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import app, flags, logging
-from jax.experimental import multihost_utils
 
 from stabledrl_jax import evaluation, models, sampling, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, mesh as mesh_lib
+from stabledrl_jax.training import multihost
 
 D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
 # The d1 test sets (docs/tasks.md) that are files; gsm8k and math500 come from the Hub.
@@ -428,8 +430,7 @@ def run(options: Options) -> dict[str, evaluation.SetupResult] | None:
                       style=style, batch_size=options.batch_size, shard_size=options.shard_size,
                       process_index=jax.process_index(), process_count=jax.process_count(),
                       metadata=metadata)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("stabledrl_jax.evaluate: all shards written")
+  multihost.sync("stabledrl_jax.evaluate: all shards written")
   if jax.process_index() != 0:
     return None
   output = options.output or os.path.join(options.output_dir, "results.json")
@@ -482,7 +483,9 @@ def define_flags() -> None:
                       f"tokenizers (default: {D1_ASSISTANT_PREFIX!r}, as d1's evaluation).")
   flags.DEFINE_string("output", defaults.output, "Results JSON (default: OUTPUT_DIR/results.json).")
   flags.DEFINE_boolean("distributed", False,
-                       "Call jax.distributed.initialize() first (multi-host).")
+                       "Call jax.distributed.initialize() even where no cluster is detected "
+                       "(TPU pods, Slurm and Open MPI are detected without it).")
+  multihost.define_flags()
   flags.mark_flags_as_required(["checkpoint", "task", "output_dir"])
 
 
@@ -504,9 +507,8 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # orbax warns about read-only directories at WARNING.
-  if flags.FLAGS.distributed:
-    jax.distributed.initialize()
   try:
+    multihost.initialize_from_flags(force=flags.FLAGS.distributed)
     run(options_from_flags())
   except (ValueError, FileNotFoundError, NotImplementedError, ImportError, KeyError) as error:
     print(f"error: {error}", file=sys.stderr)

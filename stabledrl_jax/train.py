@@ -1,24 +1,35 @@
 r"""Entry point: ``python -m stabledrl_jax.train --config configs/quickstart.py --workdir runs/qs``.
 
 Override any field with ``--config.a.b=value`` (e.g. ``--config.objective.name=grpo``).
-Rerunning with the same ``--workdir`` resumes from its latest checkpoint.
+Rerunning with the same ``--workdir`` (a local directory or ``gs://...``) resumes from its
+latest checkpoint.
+
+Several processes (docs/pods.md): on a TPU pod slice, under Slurm or Open MPI, run the same
+command on every host and the processes find each other. Elsewhere add ``--coordinator_address
+HOST:PORT --num_processes N --process_id I``. SIGTERM saves a checkpoint at the next step
+boundary and exits 0.
 """
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from stabledrl_jax.training import multihost
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a get_config() file.",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics "
+                               "(local or gs://), shared by all processes.")
+multihost.define_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
-  # Imported here so that --help and flag errors do not pay for importing JAX.
-  from stabledrl_jax.training import trainer
+  multihost.initialize_from_flags()
+  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
   trainer.train(_CONFIG.value, _WORKDIR.value)
 
 

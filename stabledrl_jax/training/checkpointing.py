@@ -5,18 +5,33 @@ PRNG key data, counters) and a JSON item with the data-iterator state and the
 config. orbax writes each step into a temporary directory and renames it when
 complete, so a process killed mid-save leaves the previous checkpoint intact
 and the torn one invisible to ``latest_step``.
+
+Workdirs are ``etils.epath`` paths: a local directory or a bucket (``gs://...``) alike. With
+several processes every process calls ``save`` and ``restore``; orbax writes each process's
+shards and agrees on completion.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+def is_local(path: epath.PathLike) -> bool:
+  """Whether ``path`` is on this machine's file system (not ``gs://`` and the like)."""
+  return "://" not in str(path)
+
+
+def resolve_workdir(workdir: epath.PathLike) -> epath.Path:
+  """The workdir as an absolute ``epath.Path`` (remote paths as given)."""
+  path = epath.Path(workdir)
+  return path.expanduser().resolve() if is_local(workdir) else path
 
 
 class Checkpointer:
@@ -27,9 +42,9 @@ class Checkpointer:
   progress.
   """
 
-  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
+  def __init__(self, workdir: epath.PathLike, *, max_to_keep: int = 3, async_save: bool = True,
                read_only: bool = False):
-    self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    self.directory = resolve_workdir(workdir) / CHECKPOINT_DIR
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, max_to_keep=None, create=False,
                                              save_interval_steps=0)

@@ -54,8 +54,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
   # reward: the scheme (tasks.REWARD_SCHEMES): 'stabledrl' (the official StableDRL code's: its
   # correctness rewards plus anti_short_boxed) or 'd1' (correctness plus format terms).
+  # reward_workers: processes that score rollouts in parallel (0: in this process; math-verify
+  # can take 0.2 s an answer), each answer bounded by reward_timeout_s (past it: reward 0).
   c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False,
-                                          reward="stabledrl"))
+                                          reward="stabledrl", reward_workers=0,
+                                          reward_timeout_s=10.0))
   c.data = ml_collections.ConfigDict(dict(
       train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
       generator=ml_collections.ConfigDict()))
@@ -117,10 +120,16 @@ def base_config() -> ml_collections.ConfigDict:
       max_consecutive_skips=10,
       # Log StableDRL's convex-hull bound max_j |A_j| ||grad s_j|| per update (per-sample
       # gradients: memory grows as batch x parameters, so for small models).
-      gradient_bound=False))
+      gradient_bound=False,
+      # A persistent XLA compilation cache (local or gs://; '' off): restarts skip compiling.
+      compilation_cache_dir=""))
   c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0))  # 0: gen/2
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, max_to_keep=3))
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since
+  # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,
+                                                max_to_keep=3))
+  # Global axis sizes (training/mesh.py); dcn_data: how many slices the data axis spans.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1))
   c.sft = ml_collections.ConfigDict(dict(
       num_steps=0, batch_size=64, learning_rate=1e-3,
       demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
@@ -340,6 +349,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
              f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")
   _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  _require(config.checkpoint.every_seconds >= 0, "checkpoint.every_seconds",
+           "must be >= 0 (0: off)")
+  _require(config.task.reward_workers >= 0, "task.reward_workers", "must be >= 0 (0: in process)")
+  _require(config.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
   _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
   _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
@@ -353,10 +366,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     except ValueError as err:
       raise ValueError(str(err)) from None
     ways = sizes["data"] * sizes["fsdp"]
+    _require(sizes["data"] % int(config.mesh.get("dcn_data", 1) or 1) == 0, "mesh.dcn_data",
+             f"{config.mesh.dcn_data} does not divide the data axis ({sizes['data']})")
     per_microbatch = r.num_prompts // num_microbatches(config)
-    _require(per_microbatch * r.group_size % ways == 0, "rollout.num_prompts",
-             f"a microbatch of {per_microbatch} prompts x {r.group_size} completions does not "
-             f"split over data x fsdp = {ways} devices")
+    if per_microbatch * r.group_size % ways:
+      fits = microbatch_groups_for(config, ways)
+      advice = (f"on this mesh set train.microbatch_groups to one of {fits} (e.g. "
+                f"--config.train.microbatch_groups={fits[0]})" if fits else
+                f"no microbatch fits: make rollout.num_prompts x rollout.group_size a multiple "
+                f"of {ways}")
+      _require(False, "train.microbatch_groups" if t.microbatch_groups else "rollout.num_prompts",
+               f"a microbatch of {per_microbatch} prompts x {r.group_size} completions does not "
+               f"split over data x fsdp = {ways} devices; {advice}")
+    if config.sft.num_steps and not config.model.checkpoint:
+      _require(config.sft.batch_size % ways == 0, "sft.batch_size",
+               f"{config.sft.batch_size} does not split over data x fsdp = {ways} devices")
 
 
 def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) -> None:
@@ -380,6 +404,14 @@ def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) ->
       _require(value is None or value == "" or field in taken, f"estimator.{field}",
                f"the {method!r} estimator takes no {field!r} (it takes {taken or 'none'}); "
                f"unset it")
+
+
+def microbatch_groups_for(config: ml_collections.ConfigDict, ways: int) -> list[int]:
+  """The ``train.microbatch_groups`` whose microbatches split over ``ways`` = data x fsdp
+  devices (each device needs whole rows)."""
+  r = config.rollout
+  return [g for g in range(1, r.num_prompts + 1)
+          if r.num_prompts % g == 0 and g * r.group_size % ways == 0]
 
 
 def num_microbatches(config: ml_collections.ConfigDict) -> int:

@@ -1,13 +1,20 @@
-"""Per-step metrics: one JSON object per line in ``<workdir>/metrics.jsonl``, mirrored to TensorBoard."""
+"""Per-step metrics: one JSON object per line in ``<workdir>/metrics.jsonl``, mirrored to TensorBoard.
+
+The workdir may be local or remote (``gs://``): paths go through ``etils.epath``. Locally each
+record is appended and flushed; object stores cannot append, so there the file is rewritten
+whole (through a temporary name) after each record. Only process 0 writes.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any, Mapping
 
 import numpy as np
+from etils import epath
+
+from stabledrl_jax.training import checkpointing
 
 
 def _to_python(value: Any) -> Any:
@@ -17,18 +24,24 @@ def _to_python(value: Any) -> Any:
   return value
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
+def read_metrics(path: epath.PathLike) -> list[dict[str, Any]]:
   """The records of a metrics.jsonl file (a torn last line from a crash is dropped)."""
-  if not os.path.exists(path):
+  path = epath.Path(path)
+  if not path.exists():
     return []
   records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      break
   return records
+
+
+def _write_atomically(path: epath.Path, text: str) -> None:
+  staging = path.parent / (path.name + ".tmp")
+  staging.write_text(text)
+  staging.replace(path)
 
 
 class MetricsWriter:
@@ -39,31 +52,37 @@ class MetricsWriter:
   one an uninterrupted run writes.
   """
 
-  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True):
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-    # Rewrite atomically: a kill during the rewrite must not lose the history.
-    with open(self.path + ".tmp", "w") as f:
-      for record in kept:
-        f.write(json.dumps(record) + "\n")
-    os.replace(self.path + ".tmp", self.path)
-    self._file = open(self.path, "a")
+  def __init__(self, workdir: epath.PathLike, *, resume_step: int = 0, tensorboard: bool = True):
+    workdir = epath.Path(workdir)
+    self.path = workdir / "metrics.jsonl"
+    self._local = checkpointing.is_local(workdir)
+    self._lines = [json.dumps(r) + "\n" for r in read_metrics(self.path)
+                   if r.get("step", 0) <= resume_step]
+    # Rewritten atomically: a kill during the rewrite must not lose the history.
+    _write_atomically(self.path, "".join(self._lines))
+    self._file = self.path.open("a") if self._local else None
     self._tb = None
     if tensorboard:
       import tensorboardX  # Imported lazily: only the writer needs it.
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"),
+      self._tb = tensorboardX.SummaryWriter(str(workdir / "tensorboard"),
                                             purge_step=resume_step + 1)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     record = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    line = json.dumps(record) + "\n"
+    self._lines.append(line)
+    if self._file is not None:
+      self._file.write(line)
+      self._file.flush()
+    else:
+      _write_atomically(self.path, "".join(self._lines))
     if self._tb is not None:
       for name, value in record.items():
         if name != "step" and isinstance(value, (int, float)):
           self._tb.add_scalar(name, value, step)
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()

@@ -62,11 +62,13 @@ def fit(model: nnx.Module, sample_batch: Callable[[int], tuple[np.ndarray, np.nd
                                                                  np.ndarray]], *,
         num_steps: int, learning_rate: float, seed: int, mask_id: int,
         log: Callable[[int, dict[str, Any]], None] | None = None,
-        log_every: int = 100) -> nnx.Module:
+        log_every: int = 100,
+        place: Callable[[np.ndarray], Array] = jnp.asarray) -> nnx.Module:
   """Fits ``model`` in place; ``sample_batch(step) -> (tokens, prompt_mask, completion_mask)``.
 
   AdamW with a cosine decay from ``learning_rate``; deterministic given ``seed``
-  and ``sample_batch``.
+  and ``sample_batch``. ``place`` puts a host batch on the devices (the trainer splits its
+  rows over the mesh; with several processes every process passes the same batch).
   """
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, num_steps // 10),
                                                 num_steps, learning_rate * 0.05)
@@ -76,8 +78,8 @@ def fit(model: nnx.Module, sample_batch: Callable[[int], tuple[np.ndarray, np.nd
   start = time.perf_counter()
   for step in range(num_steps):
     tokens, prompt_mask, completion_mask = sample_batch(step)
-    loss = _sft_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(prompt_mask),
-                     jnp.asarray(completion_mask), jax.random.fold_in(key, step),
+    loss = _sft_step(model, optimizer, place(tokens), place(prompt_mask),
+                     place(completion_mask), jax.random.fold_in(key, step),
                      mask_id=mask_id)
     if log is not None and (step % log_every == 0 or step == num_steps - 1):
       log(step, {"sft/loss": float(loss), "sft/elapsed_s": time.perf_counter() - start})

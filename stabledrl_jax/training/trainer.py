@@ -18,12 +18,22 @@ state in the checkpoint, a resumed run repeats the uninterrupted one exactly.
 The loop is the same for every model family (``config.model.family``): the
 sampler, the model's likelihood function and the model config come from
 ``model_family``, the estimators from ``rl_loss`` by the spec's block size.
+
+Several processes (a TPU pod, GPU nodes; docs/pods.md) run the same loop on global arrays.
+Every process draws the same global batch of prompts and keeps the groups whose rows live on
+its devices (``multihost.RowSplit``): it encodes, samples, decodes and scores those alone, and
+whole-batch metrics are reduced across processes. Process 0 writes the config, metrics,
+TensorBoard events and the supervised start; all processes save the orbax checkpoints together.
+SIGTERM (a preempted VM or job) saves a checkpoint at the next step boundary, agreed by all
+processes, and ends the run normally; rerunning the command continues exactly.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import signal
+import tempfile
+import threading
 import time
 from typing import Any
 
@@ -32,12 +42,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tqdm
+from absl import logging
+from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from stabledrl_jax import estimators, losses, models, sampling, tasks
 from stabledrl_jax.training import checkpointing, config_lib, data, mesh as mesh_lib
-from stabledrl_jax.training import metrics_writer, model_family, optimizer as optimizer_lib
-from stabledrl_jax.training import rl_loss, supervised, train_step
+from stabledrl_jax.training import metrics_writer, model_family, multihost
+from stabledrl_jax.training import optimizer as optimizer_lib
+from stabledrl_jax.training import reward_pool, rl_loss, supervised, train_step
 
 SFT_DIR = "sft_model"
 # Folded into the step key for the stress selection, so that the other keys stay as they were.
@@ -82,13 +96,17 @@ def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: st
   return model
 
 
-def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: nnx.Module,
-                     tokenizer, task: tasks.Task, train_examples, mesh, log) -> nnx.Module:
-  """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``."""
-  path = os.path.join(workdir, SFT_DIR)
-  if os.path.exists(os.path.join(path, "config.json")):
-    return _check_loaded(config, models.from_pretrained(path, mesh=mesh, **_dtypes(config)),
-                         path)
+def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.PathLike,
+                     model: nnx.Module, tokenizer, task: tasks.Task, train_examples, mesh,
+                     log) -> nnx.Module:
+  """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``.
+
+  Every process fits on the same batches (each device gets its rows); process 0 writes the
+  result.
+  """
+  path = epath.Path(workdir) / SFT_DIR
+  if (path / "config.json").exists():
+    return _check_loaded(config, _load_pretrained(path, mesh, config), path)
   rollout = config.rollout
   rng = np.random.default_rng(config.seed)
 
@@ -107,13 +125,44 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str, model: nnx
                                                                                  bool)], axis=1)
     return tokens, prompt_mask, completion_mask
 
+  rows = models.batch_sharding(mesh, ndim=1)
   supervised.fit(model, sample_batch, num_steps=config.sft.num_steps,
                  learning_rate=config.sft.learning_rate, seed=config.seed,
-                 mask_id=model.config.mask_token_id, log=log)
-  # Write to a temporary directory first: a kill mid-save must not leave a torn start.
-  models.save_pretrained(model, path + ".tmp")
-  os.replace(path + ".tmp", path)
+                 mask_id=model.config.mask_token_id, log=log,
+                 place=lambda x: jax.device_put(x, rows))
+  _save_pretrained(model, path, mesh)
   return model
+
+
+def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
+  """Process 0 writes ``model`` to ``path`` (local or remote), through a temporary directory
+  renamed at the end: a kill mid-save must not leave a torn start."""
+  if jax.process_count() > 1:  # Every process's shards, replicated, so process 0 can read them.
+    graphdef, state = nnx.split(model)
+    state = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))(state)
+    model = nnx.merge(graphdef, state)
+  if multihost.is_primary():
+    with tempfile.TemporaryDirectory() as local:
+      models.save_pretrained(model, local)
+      staging = path.parent / (path.name + ".tmp")
+      if staging.exists():
+        staging.rmtree()
+      staging.mkdir(parents=True)
+      for file in epath.Path(local).iterdir():
+        (staging / file.name).write_bytes(file.read_bytes())
+      staging.rename(path)
+  multihost.sync("stabledrl_jax: supervised start written")
+
+
+def _load_pretrained(path: epath.Path, mesh, config: ml_collections.ConfigDict) -> nnx.Module:
+  """``models.from_pretrained`` of a local or remote (copied to a local directory) checkpoint."""
+  if checkpointing.is_local(path):
+    return models.from_pretrained(str(path), mesh=mesh, **_dtypes(config))
+  with tempfile.TemporaryDirectory() as local:
+    for file in path.iterdir():
+      (epath.Path(local) / file.name).write_bytes(file.read_bytes())
+    return models.from_pretrained(local, mesh=mesh, **_dtypes(config))
 
 
 def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shardings: Any,
@@ -176,29 +225,43 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
 class Trainer:
   """Holds what the loop needs across steps; ``run()`` trains to ``train.num_steps``."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | epath.PathLike):
     config_lib.validate(config, num_devices=jax.device_count())
+    if config.train.compilation_cache_dir:  # Before anything compiles.
+      jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
     self.config = config
-    self.workdir = workdir
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    self.workdir = checkpointing.resolve_workdir(workdir)
+    self.primary = multihost.is_primary()
+    if self.primary:
+      self.workdir.mkdir(parents=True, exist_ok=True)
+      (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     self.mesh = mesh_lib.make_mesh(config.mesh)
+    # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
+    self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
+    r = config.rollout
+    self._splits: dict[int, multihost.RowSplit] = {}
+    self.rollout_split = self._split(r.num_prompts * r.group_size)
+    self.my_groups = self.rollout_split.groups(r.group_size)
     self.tokenizer = data.make_tokenizer(config.tokenizer)
     self.task = tasks.get_task(config.task.name)
+    self.scorer = reward_pool.RewardScorer(self.task, config.task.reward,
+                                           workers=config.task.reward_workers,
+                                           timeout_s=config.task.reward_timeout_s)
     self.train_examples = data.make_examples(config, "train")
     self.eval_prompts = data.encode_examples(config, self.tokenizer, self.task,
                                              data.make_examples(config, "eval"))
-    self.data_iter = tasks.DataIterator(self.train_examples, config.rollout.num_prompts,
-                                        seed=config.seed)
+    # Every process draws the same global batches and keeps its own groups: the position is the
+    # same everywhere, and a resumed run (on any number of processes) draws what an
+    # uninterrupted one would.
+    self.data_iter = tasks.DataIterator(self.train_examples, r.num_prompts, seed=config.seed)
 
-    self.checkpointer = checkpointing.Checkpointer(workdir,
+    self.checkpointer = checkpointing.Checkpointer(self.workdir,
                                                    max_to_keep=config.checkpoint.max_to_keep)
     latest = self.checkpointer.latest_step()
     model = build_model(config, self.tokenizer, self.mesh)
     if config.sft.num_steps and not config.model.checkpoint:
       if latest is None:
-        model = supervised_start(config, workdir, model, self.tokenizer, self.task,
+        model = supervised_start(config, self.workdir, model, self.tokenizer, self.task,
                                  self.train_examples, self.mesh, self._log_sft)
       # On resume the checkpoint holds the parameters; the SFT start is not needed.
     self.model_config = model.config
@@ -225,8 +288,6 @@ class Trainer:
     self.spec_settings = config_lib.estimator_settings(config)
     objective = losses.get_objective(config.objective.name)
     self.needs_old = "old_logp" in objective.requires
-    # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
-    self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
     self.update = make_update(config, self.graphdef, self.tx, self.state_shardings, self.mesh,
                               self.spec)
     self.estimate_no_grad = jax.jit(train_step.traced_under(
@@ -236,34 +297,50 @@ class Trainer:
             num_microbatches=config_lib.num_microbatches(config), stress_mode=stress_mode,
             microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
         static_argnames="stress_mode")
-    self.writer = metrics_writer.MetricsWriter(workdir, resume_step=self.start_step)
+    self.writer = (metrics_writer.MetricsWriter(self.workdir, resume_step=self.start_step)
+                   if self.primary else None)
 
   # -------------------------------------------------------------------------
   # Pieces of a step.
   # -------------------------------------------------------------------------
 
   def _log_sft(self, step: int, metrics: dict[str, Any]) -> None:
-    print(f"sft step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    if self.primary:
+      print(f"sft step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
   def _model(self, params) -> nnx.Module:
     return nnx.merge(self.graphdef, params)
 
   def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
-               temperature: float, steps: int, **options) -> tuple[np.ndarray, np.ndarray]:
-    """Completions [B, P + G] and the model calls each needed [B].
+               temperature: float, steps: int, *, num_rows: int | None = None,
+               **options) -> tuple[np.ndarray, np.ndarray]:
+    """Completions [B, P + G] and the model calls each needed [B], of this process's rows.
 
-    ``options`` (remasking, threshold) override ``config.rollout``'s.
+    ``prompt_tokens`` and ``prompt_mask`` [B, P] are this process's rows (``row_split``) of a
+    batch of ``num_rows`` (default B: one process). ``options`` (remasking, threshold) override
+    ``config.rollout``'s.
     """
+    num_rows = len(prompt_tokens) if num_rows is None else num_rows
+    split = self._split(num_rows)
+    tokens, mask = multihost.to_global((prompt_tokens, prompt_mask), self.batch_sharding,
+                                       num_rows)
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # The model's constraints.
       tokens, calls = model_family.generate(
-          self._model(params), jax.device_put(prompt_tokens, self.batch_sharding),
-          jax.device_put(prompt_mask, self.batch_sharding), key, rollout=self.config.rollout,
+          self._model(params), tokens, mask, key, rollout=self.config.rollout,
           temperature=temperature, steps=steps, **options)
-    return np.asarray(tokens), np.asarray(calls)
+    return multihost.local_rows(tokens, split), multihost.local_rows(calls, split)
+
+  def _split(self, num_rows: int) -> multihost.RowSplit:
+    """This process's rows of a batch of ``num_rows`` (cached: one collective per size)."""
+    if num_rows not in self._splits:
+      self._splits[num_rows] = multihost.row_split(self.batch_sharding, num_rows)
+    return self._splits[num_rows]
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, advantages: np.ndarray,
-                 stressed: np.ndarray | None = None) -> rl_loss.RolloutBatch:
-    """Arrays of the rollouts, sharded over the batch axis."""
+                 stressed: np.ndarray | None = None, *,
+                 num_rows: int | None = None) -> rl_loss.RolloutBatch:
+    """Global arrays of the rollouts, sharded over the batch axis, from this process's rows
+    of a batch of ``num_rows`` (default: ``len(tokens)``, one process)."""
     r = self.config.rollout
     completion = np.asarray(sampling.completion_mask(
         tokens, r.prompt_length, model_family.stop_ids(self.model_config)))
@@ -277,58 +354,67 @@ class Trainer:
         advantages=advantages.astype(np.float32),
         old_logp=np.zeros(self._logp_shape(tokens), np.float32),
         ref_logp=np.zeros(self._logp_shape(tokens), np.float32), stressed=stressed)
-    return jax.device_put(batch, self.batch_sharding)
+    return multihost.to_global(batch, self.batch_sharding,
+                               len(tokens) if num_rows is None else num_rows)
 
   def _logp_shape(self, tokens: np.ndarray) -> tuple[int, ...]:
     return tokens.shape if self.spec.token_level else tokens.shape[:1]
 
   def evaluate(self, params, key, **options) -> dict[str, float]:
     """Greedy decoding on the held-out prompts: the task's metric, in percent, and the mean model
-    calls per sequence. `options` override the rollout's remasking / threshold."""
+    calls per sequence. `options` override the rollout's remasking / threshold.
+
+    Each process decodes and scores its rows of every batch; the totals are summed over the
+    processes."""
     prompts, r = self.eval_prompts, self.config.rollout
     steps = self.config.eval.steps or max(r.gen_length // 2, r.gen_length // r.block_length)
-    correct = total = reward = calls = 0.0
+    totals = np.zeros(4)  # correct, total, reward, model calls
     size = self.config.eval.batch_size
     for start in range(0, len(prompts.examples), size):
       # Static shapes over the mesh: pad the last batch, drop the padding after.
       (tokens, mask), real = mesh_lib.pad_rows(
           [prompts.tokens[start:start + size], prompts.mask[start:start + size]],
           mesh_lib.data_parallel_size(self.mesh))
-      out, row_calls = self.generate(params, tokens, mask, key, temperature=0.0, steps=steps,
+      split = self._split(len(tokens))
+      out, row_calls = self.generate(params, tokens[split.rows], mask[split.rows], key,
+                                     temperature=0.0, steps=steps, num_rows=len(tokens),
                                      **options)
-      out = out[:real]
-      calls += float(row_calls[:real].sum())
-      texts = data.decode_completions(self.tokenizer, out[:, r.prompt_length:])
-      for text, example in zip(texts, prompts.examples[start:start + real]):
+      keep = split.rows < real
+      texts = data.decode_completions(self.tokenizer, out[keep, r.prompt_length:])
+      batch_totals = np.zeros(4)
+      batch_totals[3] = float(row_calls[keep].sum())
+      for text, row in zip(texts, split.rows[keep]):
+        example = prompts.examples[start + int(row)]
         score = self.task.score(text, example)
-        correct += score.correct
-        total += score.total
-        reward += self.task.reward(text, example, self.config.task.reward)
+        batch_totals[:3] += (score.correct, score.total,
+                             self.task.reward(text, example, self.config.task.reward))
+      totals += multihost.sum_over_rows(batch_totals, split)
+    correct, total, reward, calls = totals
     return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
             "eval/reward_mean": reward / len(prompts.examples),
             "eval/model_calls": calls / len(prompts.examples)}
 
   def rl_step(self, step: int) -> dict[str, Any]:
-    config, r = self.config, self.config.rollout
+    config, r, split = self.config, self.config.rollout, self.rollout_split
     start = time.perf_counter()
     key = jax.random.fold_in(jax.random.wrap_key_data(self.state.key), step)
     key_rollout, key_old, key_inner = jax.random.split(key, 3)
     inner_keys = jax.random.split(key_inner, config.train.num_iterations)
 
-    examples = next(self.data_iter)
+    everyone = next(self.data_iter)  # The global batch; this process keeps its groups.
+    examples = [everyone[int(g)] for g in self.my_groups]
     prompts = data.encode_examples(config, self.tokenizer, self.task, examples)
     prompt_tokens = np.repeat(prompts.tokens, r.group_size, axis=0)
     prompt_mask = np.repeat(prompts.mask, r.group_size, axis=0)
     tokens, calls = self.generate(self.state.params, prompt_tokens, prompt_mask, key_rollout,
-                                  temperature=r.temperature, steps=r.steps)
+                                  temperature=r.temperature, steps=r.steps,
+                                  num_rows=split.num_rows)
     rollout_s = time.perf_counter() - start
 
     texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
-    terms = self.task.reward_terms(config.task.reward)
-    components = np.array([[values[term.name] for term in terms] for values in (
-        self.task.reward_components(text, examples[i // r.group_size], config.task.reward)
-        for i, text in enumerate(texts))], np.float32).reshape(len(texts), len(terms))
-    rewards = components @ np.array([term.weight for term in terms], np.float32)
+    components = self.scorer(texts, [examples[i // r.group_size] for i in range(len(texts))])
+    rewards = self.scorer.rewards(components)
+    # Groups never span processes: the advantages of this process's rows are its own.
     advantages = np.asarray(losses.group_advantages(
         jnp.asarray(rewards), r.group_size,
         scale_by_std=config.objective.scale_advantages_by_std,
@@ -336,8 +422,9 @@ class Trainer:
     stressed = None
     if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(
-          jax.random.fold_in(key, _STRESS_KEY), len(tokens), config.estimator.stress.fraction))
-    batch = self.make_batch(tokens, prompt_mask, advantages, stressed)
+          jax.random.fold_in(key, _STRESS_KEY), split.num_rows,
+          config.estimator.stress.fraction))[split.rows]
+    batch = self.make_batch(tokens, prompt_mask, advantages, stressed, num_rows=split.num_rows)
     # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
     # Independent (StableDRL): once, on masks of their own, so that at the first iteration the
     # ratio is pure estimator noise.
@@ -360,19 +447,27 @@ class Trainer:
     metrics = {k: v for k, v in train_step._reduce_metrics(
         jax.tree.map(lambda *xs: jnp.stack(xs), *inner)).items()}
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    self.state = self.state.replace(step=jnp.asarray(step + 1, jnp.int32))
+    self.state = self.state.replace(step=jax.device_put(
+        np.int32(step + 1), self.state_shardings.step))  # Global on every process.
 
-    completion = np.asarray(batch.completion_mask)
+    # Whole-batch statistics of host-side values: every process's rows.
+    lengths = np.asarray(batch_completion_lengths(tokens, r.prompt_length,
+                                                  model_family.stop_ids(self.model_config)))
+    rows = multihost.gather_rows(np.column_stack(
+        [rewards, np.abs(advantages), lengths, calls, components]).astype(np.float32), split)
+    rewards_all, components_all = rows[:, 0], rows[:, 4:]
     elapsed = time.perf_counter() - start
+    terms = self.scorer.terms
     metrics.update({
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-        **{f"reward/{term.name}": float(components[:, j].mean()) for j, term in enumerate(terms)},
-        "advantage/abs_mean": float(np.abs(advantages).mean()),
-        "completion/length_mean": float(completion.sum(-1).mean()),
-        "rollout/model_calls": float(calls.mean()),
+        "reward/mean": float(rewards_all.mean()), "reward/std": float(rewards_all.std()),
+        **{f"reward/{term.name}": float(components_all[:, j].mean())
+           for j, term in enumerate(terms)},
+        "advantage/abs_mean": float(rows[:, 1].mean()),
+        "completion/length_mean": float(rows[:, 2].mean()),
+        "rollout/model_calls": float(rows[:, 3].mean()),
         "skipped_steps": int(self.state.skipped_steps),
         "time/step_s": elapsed, "time/rollout_s": rollout_s,
-        "throughput/tokens_per_s": tokens.shape[0] * r.gen_length / elapsed,
+        "throughput/tokens_per_s": split.num_rows * r.gen_length / elapsed,
     })
     return metrics
 
@@ -381,28 +476,32 @@ class Trainer:
   # -------------------------------------------------------------------------
 
   def _save(self, step: int) -> None:
-    meta = {"data": self.data_iter.state(), "config": json.loads(
-        self.config.to_json_best_effort())}
+    meta = {"data": self.data_iter.state(), "processes": jax.process_count(),
+            "config": json.loads(self.config.to_json_best_effort())}
     self.checkpointer.save(step, self.state, meta)
 
   def run(self) -> list[dict[str, Any]]:
-    """Trains from the latest checkpoint (or the start) to ``train.num_steps``."""
+    """Trains from the latest checkpoint (or the start) to ``train.num_steps``, or until a
+    SIGTERM, which saves at the next step boundary (``preempted`` is then True)."""
     config = self.config
     history = []
     eval_key = jax.random.key(config.seed + 1)
     every = config.eval.every_steps
+    self.preempted = False
     if self.start_step == 0 and every:
-      self.writer.write(0, self.evaluate(self.state.params, eval_key))
+      self._write(0, self.evaluate(self.state.params, eval_key))
     progress = tqdm.tqdm(range(self.start_step, config.train.num_steps),
                          initial=self.start_step, total=config.train.num_steps,
-                         desc="RL", dynamic_ncols=True)
+                         desc="RL", dynamic_ncols=True, disable=not self.primary)
+    watcher = PreemptionWatcher()
+    last_save = time.monotonic()
     try:
       for step in progress:
         metrics = self.rl_step(step)
         done = step + 1
         if every and (done % every == 0 or done == config.train.num_steps):
           metrics.update(self.evaluate(self.state.params, eval_key))
-        self.writer.write(done, metrics)
+        self._write(done, metrics)
         history.append({"step": done, **metrics})
         progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                              step_s=f"{metrics['time/step_s']:.2f}")
@@ -411,19 +510,69 @@ class Trainer:
               f"{int(self.state.consecutive_skips)} consecutive updates had a non-finite loss "
               f"or gradient (step {done}); stopping. The last good checkpoint is intact in "
               f"{self.checkpointer.directory}.")
+        preempted = watcher.reached(done)
+        due = done % config.checkpoint.every_steps == 0 or done == config.train.num_steps
+        if config.checkpoint.every_seconds:  # Clocks differ: process 0 decides for all.
+          due |= multihost.agree(
+              time.monotonic() - last_save >= config.checkpoint.every_seconds)
         # A step that skipped an update is not checkpointed: the last checkpoint stays the
         # last step whose every update was finite.
         healthy = int(self.state.consecutive_skips) == 0
-        if healthy and (done % config.checkpoint.every_steps == 0
-                        or done == config.train.num_steps):
+        if healthy and (due or preempted):
           self._save(done)
+          last_save = time.monotonic()
+        if preempted:
+          self.preempted = True
+          if self.primary:
+            logging.warning("SIGTERM: saved step %d in %s; rerun the same command to continue",
+                            done if healthy else self.checkpointer.latest_step(),
+                            self.checkpointer.directory)
+          break
     finally:
+      watcher.close()
       progress.close()
       self.checkpointer.close()
-      self.writer.close()
+      self.scorer.close()
+      if self.writer is not None:
+        self.writer.close()
     return history
 
+  def _write(self, step: int, metrics: dict[str, Any]) -> None:
+    if self.writer is not None:
+      self.writer.write(step, metrics)
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> list[dict[str, Any]]:
+
+def batch_completion_lengths(tokens: np.ndarray, prompt_length: int, stop_ids) -> np.ndarray:
+  """Completion tokens of each row [B] (up to and including its first stop token)."""
+  return np.asarray(sampling.completion_mask(tokens, prompt_length, stop_ids)).sum(-1)
+
+
+class PreemptionWatcher:
+  """Whether a SIGTERM asks the run to stop, agreed by every process at the same step.
+
+  Several processes: ``jax.distributed``'s preemption sync point (its own SIGTERM handler, and
+  on TPUs the maintenance notices), so that all save the same step. One process: a SIGTERM
+  handler that sets a flag (restored on ``close``).
+  """
+
+  def __init__(self):
+    self._flag = threading.Event()
+    self._previous = None
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
+
+  def reached(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._flag.is_set()
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | epath.PathLike
+          ) -> list[dict[str, Any]]:
   """Builds a Trainer and runs it; returns the per-step metrics of this invocation."""
   return Trainer(config, workdir).run()

@@ -1,0 +1,276 @@
+"""Several processes on one machine, as a TPU pod or GPU cluster runs them (docs/pods.md).
+
+Each process is a `python -m stabledrl_jax.train` (or `.evaluate`) with its own fake CPU devices,
+joined by `--coordinator_address --num_processes --process_id` over gloo. The reference is the
+same run as one process on 8 devices.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from stabledrl_jax.training import checkpointing, metrics_writer, multihost, reward_pool
+from stabledrl_jax import tasks
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NUM_STEPS = 6
+# The quickstart at toy size: 4 prompts x 4 completions over a mesh whose fsdp axis crosses the
+# two processes (parameters and optimizer state split between them) and whose tensor axis
+# pairs devices of one process.
+FLAGS = ("--config.data.train_size=64", "--config.data.eval_size=8",
+         "--config.rollout.num_prompts=4", "--config.rollout.group_size=4",
+         "--config.rollout.steps=10", "--config.rollout.temperature=1.3",
+         "--config.sft.num_steps=40", "--config.sft.batch_size=16",
+         "--config.eval.every_steps=3", "--config.eval.batch_size=8",
+         "--config.checkpoint.every_steps=1", f"--config.train.num_steps={NUM_STEPS}",
+         "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
+# Metrics that differ between runs by nature.
+_TIMING = ("time/", "throughput/")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(module, args, *, processes, devices, log_dir):
+  """`python -m module args` as `processes` processes of `devices` fake devices each."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  port = _free_port()
+  running = []
+  for i in range(processes):
+    joined = ([f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+               f"--process_id={i}"] if processes > 1 else [])
+    log = open(pathlib.Path(log_dir) / f"{module.rsplit('.', 1)[-1]}_{i}_{time.time_ns()}.log",
+               "w")
+    running.append(subprocess.Popen([sys.executable, "-m", module, *args, *joined], env=env,
+                                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+  return running
+
+
+def wait(running, timeout=600):
+  codes = [p.wait(timeout=timeout) for p in running]
+  return codes
+
+
+def train(workdir, *extra, processes, devices, log_dir):
+  return launch("stabledrl_jax.train", [f"--config={REPO / 'configs/quickstart.py'}",
+                                        f"--workdir={workdir}", *FLAGS, *extra],
+                processes=processes, devices=devices, log_dir=log_dir)
+
+
+def _logs(log_dir):
+  return "\n".join(p.read_text()[-3000:] for p in sorted(pathlib.Path(log_dir).glob("*.log")))
+
+
+def _records(workdir):
+  return metrics_writer.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+
+
+def _comparable(records):
+  return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in records]
+
+
+def _assert_same_metrics(got, want, atol=1e-5):
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for a, b in zip(_comparable(got), _comparable(want)):
+    assert a.keys() == b.keys(), (a.keys() ^ b.keys())
+    for name in a:
+      np.testing.assert_allclose(a[name], b[name], atol=atol, rtol=0, err_msg=name)
+
+
+def _final_params(workdir):
+  ckpt = checkpointing.Checkpointer(workdir, read_only=True)
+  step = ckpt.latest_step()
+  path = pathlib.Path(ckpt.directory) / str(step) / "state"
+  ckpt.close()
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata.tree
+  # As numpy: the checkpoint's shardings name 8 devices that this process does not have.
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return step, checkpointer.restore(path, restore_args=as_numpy)["params"]
+
+
+def _wait_for_step(workdir, step, running, timeout=300):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if any(p.poll() is not None for p in running):
+      return False
+    steps = [r["step"] for r in _records(workdir)]
+    if steps and max(steps) >= step:
+      return True
+    time.sleep(0.02)
+  return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """One process on 8 devices: the run every multi-process run must reproduce."""
+  workdir = tmp_path_factory.mktemp("one_process")
+  logs = tmp_path_factory.mktemp("logs")
+  assert wait(train(workdir, processes=1, devices=8, log_dir=logs)) == [0], _logs(logs)
+  return workdir
+
+
+def with_start(path, reference):
+  """A fresh workdir holding the reference's supervised start."""
+  path.mkdir(parents=True)
+  shutil.copytree(reference / "sft_model", path / "sft_model")
+  return path
+
+
+@pytest.mark.slow
+def test_two_processes_train_what_one_process_trains(tmp_path, reference):
+  """2 processes x 4 devices (their own supervised start too) = 1 process x 8 devices: every
+  step's loss, gradient norm, rewards and evaluation, and the final parameters; and only
+  process 0 writes metrics.jsonl, one line per step."""
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  workdir = tmp_path / "two"
+  assert wait(train(workdir, processes=2, devices=4, log_dir=logs)) == [0, 0], _logs(logs)
+  got, want = _records(workdir), _records(reference)
+  assert [r["step"] for r in got] == list(range(NUM_STEPS + 1))
+  _assert_same_metrics(got, want)
+  assert any(r.get("grad_norm", 0) > 0.1 for r in want)  # Not a run of zero updates.
+  step_a, params_a = _final_params(reference)
+  step_b, params_b = _final_params(workdir)
+  assert step_a == step_b == NUM_STEPS
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), params_a,
+               params_b)
+  # Process 1 draws no progress bar and writes nothing of its own.
+  process_1 = [p for p in logs.glob("train_1_*.log")][0].read_text()
+  assert "RL:" not in process_1 and "sft step" not in process_1
+
+
+@pytest.mark.slow
+def test_preempted_then_killed_processes_resume_exactly(tmp_path, reference):
+  """SIGTERM to both processes: they save at the next step boundary and exit 0. Rerun, then
+  SIGKILL both after a later checkpoint; the third run finishes with the metrics and parameters
+  of the uninterrupted run."""
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  workdir = with_start(tmp_path / "interrupted", reference)
+
+  running = train(workdir, processes=2, devices=4, log_dir=logs)
+  assert _wait_for_step(workdir, 1, running), _logs(logs)
+  for p in running:
+    p.send_signal(signal.SIGTERM)
+  assert wait(running) == [0, 0], _logs(logs)
+  stopped = checkpointing.Checkpointer(workdir, read_only=True).latest_step()
+  assert 1 <= stopped < NUM_STEPS, "the run finished before SIGTERM arrived"
+  assert max(r["step"] for r in _records(workdir)) == stopped
+
+  running = train(workdir, processes=2, devices=4, log_dir=logs)
+  assert _wait_for_step(workdir, stopped + 1, running), _logs(logs)
+  for p in running:
+    p.send_signal(signal.SIGKILL)
+  wait(running)
+
+  assert wait(train(workdir, processes=2, devices=4, log_dir=logs)) == [0, 0], _logs(logs)
+  _assert_same_metrics(_records(workdir), _records(reference))
+  step_a, params_a = _final_params(reference)
+  step_b, params_b = _final_params(workdir)
+  assert step_a == step_b == NUM_STEPS
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), params_a,
+               params_b)
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_what_one_process_evaluates(tmp_path, reference):
+  """`stabledrl_jax.evaluate` on the reference's checkpoint: the same files and scored table."""
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  args = [f"--checkpoint={reference}", "--task=sudoku", "--data=sudoku=synthetic",
+          "--limit=8", "--gen_lengths=40", "--block_length=40", "--steps=20", "--batch_size=2",
+          "--shard_size=2", "--mesh=-1,1,1"]
+  out = {}
+  for name, processes, devices in (("one", 1, 4), ("two", 2, 2)):
+    out[name] = tmp_path / name
+    running = launch("stabledrl_jax.evaluate", [*args, f"--output_dir={out[name]}"],
+                     processes=processes, devices=devices, log_dir=logs)
+    assert wait(running) == [0] * processes, _logs(logs)
+  files = sorted(p.name for p in out["one"].glob("*_generations.json"))
+  assert len(files) == 4 and files == sorted(p.name for p in out["two"].glob("*_generations.json"))
+  for name in files:
+    one = json.loads((out["one"] / name).read_text())
+    two = json.loads((out["two"] / name).read_text())
+    assert one["generations"] == two["generations"]
+  one = json.loads((out["one"] / "results.json").read_text())
+  two = json.loads((out["two"] / "results.json").read_text())
+  assert one == two
+
+
+# ---------------------------------------------------------------------------
+# Pieces, in this process.
+# ---------------------------------------------------------------------------
+
+
+def test_one_process_holds_every_row_and_gathers_are_identities():
+  mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  split = multihost.row_split(sharding, 12)
+  np.testing.assert_array_equal(split.rows, np.arange(12))
+  np.testing.assert_array_equal(split.groups(4), [0, 1, 2])
+  values = np.arange(24, dtype=np.float32).reshape(12, 2)
+  np.testing.assert_array_equal(multihost.gather_rows(values, split), values)
+  np.testing.assert_array_equal(multihost.sum_over_rows([1.0, 2.0], split), [1.0, 2.0])
+  array = multihost.to_global(values, sharding, 12)
+  np.testing.assert_array_equal(multihost.local_rows(array, split), values)
+
+
+def test_a_group_split_between_processes_is_refused():
+  split = multihost.RowSplit(rows=np.arange(6, 12), num_rows=12, primary=False)
+  with pytest.raises(ValueError, match="splits a group of 4"):
+    split.groups(4)
+  np.testing.assert_array_equal(split.groups(3), [2, 3])
+
+
+@pytest.mark.parametrize("given", [
+    dict(coordinator_address="127.0.0.1:1234"),
+    dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2),
+])
+def test_start_up_flags_are_checked(given):
+  with pytest.raises(ValueError, match="process"):
+    multihost.initialize(**given)
+
+
+def test_one_process_or_no_cluster_initializes_nothing(monkeypatch):
+  for name in ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_STEP_NUM_TASKS",
+               "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(name, raising=False)
+  assert multihost.detected_cluster() is None
+  assert not multihost.initialize()
+  assert not multihost.initialize("127.0.0.1:1234", 1, 0)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.1")  # One host: nothing to join.
+  assert multihost.detected_cluster() is None
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.1,10.0.0.2")
+  assert multihost.detected_cluster() == "TPU_WORKER_HOSTNAMES"
+
+
+def test_the_reward_pool_scores_what_this_process_scores():
+  task = tasks.get_task("countdown")
+  examples = list(tasks.CountdownGenerator(6, seed=0))
+  texts = [f"<reasoning>.</reasoning><answer>{ex.reference}</answer>" if i % 2 else "no answer"
+           for i, ex in enumerate(examples)]
+  serial = reward_pool.RewardScorer(task, "d1")
+  pooled = reward_pool.RewardScorer(task, "d1", workers=2)
+  try:
+    np.testing.assert_array_equal(pooled(texts, examples), serial(texts, examples))
+  finally:
+    pooled.close()
+  values = serial(texts, examples)
+  assert values.shape == (6, len(task.reward_terms("d1")))
+  assert values[1::2].sum() > values[::2].sum()  # Right answers score, "no answer" does not.
