@@ -20,7 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from stabledrl_jax.training import checkpointing, metrics_writer, multihost, reward_pool
+from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, multihost
+from stabledrl_jax.training import reward_pool
 from stabledrl_jax import tasks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -46,17 +47,20 @@ def _free_port() -> int:
 
 
 def launch(module, args, *, processes, devices, log_dir):
-  """`python -m module args` as `processes` processes of `devices` fake devices each."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  """`python -m module args` (`module` None: `python args`) as `processes` processes of
+  `devices` fake devices each."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",  # Keeps conftest.py's fast-compile flag.
+         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                      f"--xla_force_host_platform_device_count={devices}"}
   port = _free_port()
   running = []
   for i in range(processes):
     joined = ([f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
                f"--process_id={i}"] if processes > 1 else [])
-    log = open(pathlib.Path(log_dir) / f"{module.rsplit('.', 1)[-1]}_{i}_{time.time_ns()}.log",
-               "w")
-    running.append(subprocess.Popen([sys.executable, "-m", module, *args, *joined], env=env,
+    name = module.rsplit(".", 1)[-1] if module else "script"
+    log = open(pathlib.Path(log_dir) / f"{name}_{i}_{time.time_ns()}.log", "w")
+    command = ["-m", module] if module else []
+    running.append(subprocess.Popen([sys.executable, *command, *args, *joined], env=env,
                                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
   return running
 
@@ -213,6 +217,68 @@ def test_two_processes_evaluate_what_one_process_evaluates(tmp_path, reference):
   assert one == two
 
 
+@pytest.mark.slow
+def test_one_process_saves_on_sigterm_and_fills_the_compilation_cache(tmp_path, reference):
+  """One process alone: SIGTERM saves the step it is on and exits 0; the rerun finishes like the
+  uninterrupted run. ``train.compilation_cache_dir`` receives the compiled steps."""
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  workdir = with_start(tmp_path / "one", reference)
+  cache = tmp_path / "cache"
+  extra = (f"--config.train.compilation_cache_dir={cache}",)
+  running = train(workdir, *extra, processes=1, devices=8, log_dir=logs)
+  assert _wait_for_step(workdir, 1, running), _logs(logs)
+  running[0].send_signal(signal.SIGTERM)
+  assert wait(running) == [0], _logs(logs)
+  stopped = checkpointing.Checkpointer(workdir, read_only=True).latest_step()
+  assert 1 <= stopped < NUM_STEPS, "the run finished before SIGTERM arrived"
+  assert any(cache.iterdir())
+  assert wait(train(workdir, *extra, processes=1, devices=8, log_dir=logs)) == [0], _logs(logs)
+  _assert_same_metrics(_records(workdir), _records(reference), atol=0)
+
+
+_LAYOUT_SCRIPT = """
+import sys
+import ml_collections, numpy as np
+from absl import flags
+from stabledrl_jax.training import mesh as mesh_lib, multihost
+multihost.define_flags()
+flags.FLAGS(sys.argv)
+multihost.initialize_from_flags()
+import jax
+me = jax.process_index()
+# Two slices (a process each), the data axis across them: every slice is one process's devices.
+sliced = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=1, dcn_data=2)))
+assert {d.process_index for d in sliced.devices[me].flat} == {me}, sliced.devices
+# Rows interleaved between the processes: this process holds rows 2-3 and 6-7 (process 0) or
+# 0-1 and 4-5 (process 1) of 8.
+devices = jax.devices()
+order = [devices[i] for i in (2, 0, 3, 1)]  # process 1, 0, 1, 0
+mesh = jax.sharding.Mesh(np.asarray(order).reshape(4, 1, 1), mesh_lib.MESH_AXES)
+rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+split = multihost.row_split(rows, 8)
+assert split.rows.tolist() == ([2, 3, 6, 7] if me == 0 else [0, 1, 4, 5]), split
+values = np.stack([split.rows * 10.0, split.rows + 0.5], axis=1)
+array = multihost.to_global(values, rows, 8)
+total = float(jax.jit(lambda x: x[:, 0].sum())(array))
+assert total == 10.0 * sum(range(8)), total
+np.testing.assert_array_equal(multihost.local_rows(array, split), values)
+everything = multihost.gather_rows(values, split)
+np.testing.assert_array_equal(everything[:, 0], np.arange(8) * 10.0)
+assert multihost.sum_over_rows([1.0], split).tolist() == [2.0]
+assert split.groups(2).tolist() == ([1, 3] if me == 0 else [0, 2])
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_lay_out_slices_and_interleaved_rows(tmp_path):
+  """A hybrid mesh puts each slice (process) on its own part of the data axis; rows that
+  interleave between processes are assembled, read back and gathered in order."""
+  running = launch(None, ["-c", _LAYOUT_SCRIPT], processes=2, devices=2, log_dir=tmp_path)
+  assert wait(running) == [0, 0], _logs(tmp_path)
+
+
 # ---------------------------------------------------------------------------
 # Pieces, in this process.
 # ---------------------------------------------------------------------------
@@ -229,6 +295,23 @@ def test_one_process_holds_every_row_and_gathers_are_identities():
   np.testing.assert_array_equal(multihost.sum_over_rows([1.0, 2.0], split), [1.0, 2.0])
   array = multihost.to_global(values, sharding, 12)
   np.testing.assert_array_equal(multihost.local_rows(array, split), values)
+
+
+def test_a_mesh_says_which_microbatches_fit_it():
+  config = config_lib.from_file(REPO / "configs" / "llada8b_math.py")
+  config_lib.validate(config, num_devices=8)
+  with pytest.raises(ValueError, match=r"train.microbatch_groups.*one of \[16, 32\]"):
+    config_lib.validate(config, num_devices=256)
+  config.train.microbatch_groups = 16
+  config_lib.validate(config, num_devices=256)
+  assert config_lib.microbatch_groups_for(config, 64) == [4, 8, 16, 32]
+
+
+def test_a_slice_count_must_divide_the_data_axis():
+  config = config_lib.base_config()
+  config.mesh.update(data=2, fsdp=-1, dcn_data=4)
+  with pytest.raises(ValueError, match="mesh.dcn_data"):
+    config_lib.validate(config, num_devices=8)
 
 
 def test_a_group_split_between_processes_is_refused():

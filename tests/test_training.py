@@ -546,6 +546,15 @@ TINY_FLAGS = ("--config.data.train_size=64", "--config.data.eval_size=8",
               "--config.checkpoint.every_steps=1", "--config.train.num_steps=5")
 
 
+def test_a_time_interval_saves_between_the_step_interval(tmp_path, sft_start):
+  """checkpoint.every_seconds saves once that much time has passed, whatever every_steps says."""
+  for name, seconds, want in (("by_steps", 0.0, [2]), ("by_time", 1e-6, [1, 2])):
+    config = tiny_config(**{"checkpoint.every_steps": 1000, "checkpoint.every_seconds": seconds})
+    workdir = workdir_with_start(tmp_path / name, sft_start)
+    trainer.train(config, str(workdir))
+    assert checkpointing.Checkpointer(workdir, read_only=True).all_steps() == want, name
+
+
 @pytest.mark.slow
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, sft_start):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from etils import epath
 from flax import nnx
 
 from stabledrl_jax import models, tokenizers
@@ -53,18 +54,18 @@ class CheckpointSource:
   @property
   def name(self) -> str:
     """"<workdir>-step<N>"; a Hugging Face directory's name ("<workdir>-<name>" in a workdir)."""
-    base = os.path.basename(self.path)
+    path = epath.Path(self.path)
     if self.kind == WORKDIR:
-      return f"{base}-step{self.step}"
+      return f"{path.name}-step{self.step}"
     if self.config is not None:
-      return f"{os.path.basename(os.path.dirname(self.path))}-{base}"
-    return base
+      return f"{path.parent.name}-{path.name}"
+    return path.name
 
   @property
   def checkpoint_path(self) -> str:
     """Where the parameters are: the step's orbax directory, or the Hugging Face directory."""
     if self.kind == WORKDIR:
-      return os.path.join(self.path, checkpointing.CHECKPOINT_DIR, str(self.step))
+      return str(epath.Path(self.path) / checkpointing.CHECKPOINT_DIR / str(self.step))
     return self.path
 
 
@@ -73,17 +74,18 @@ def is_huggingface_dir(path: str) -> bool:
       os.path.isfile(os.path.join(path, name)) for name in (hf_io.SINGLE_FILE, hf_io.INDEX_FILE))
 
 
-def is_workdir(path: str) -> bool:
-  return os.path.isdir(os.path.join(path, checkpointing.CHECKPOINT_DIR))
+def is_workdir(path: epath.PathLike) -> bool:
+  """A training workdir, local or remote (``gs://``)."""
+  return (epath.Path(path) / checkpointing.CHECKPOINT_DIR).is_dir()
 
 
-def _training_config(path: str) -> ml_collections.ConfigDict | None:
+def _training_config(path: epath.PathLike) -> ml_collections.ConfigDict | None:
   """The training config in ``path`` (a workdir or its config.json), if there is one."""
-  if os.path.isdir(path):
-    path = os.path.join(path, "config.json")
+  path = epath.Path(path)
+  if path.is_dir():
+    path = path / "config.json"
   try:
-    with open(path) as f:
-      config = json.load(f)
+    config = json.loads(path.read_text())
   except (OSError, ValueError):
     return None
   if not isinstance(config, dict) or "tokenizer" not in config or "model" not in config:
@@ -106,9 +108,9 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
     ValueError: ``path`` is neither kind, the workdir has no (such) step, or ``step`` was given
       for a Hugging Face directory.
   """
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     raise FileNotFoundError(f"checkpoint {path} does not exist")
-  path = os.path.abspath(path)
+  path = str(checkpointing.resolve_workdir(path))
   if is_workdir(path):
     config = _training_config(path)
     if config is None:
@@ -117,7 +119,7 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
     steps = checkpointer.all_steps()
     checkpointer.close()
     if not steps:
-      start = os.path.join(path, trainer.SFT_DIR)
+      start = str(epath.Path(path) / trainer.SFT_DIR)
       hint = (f"; its supervised start is the Hugging Face directory {start}"
               if is_huggingface_dir(start) else "")
       raise ValueError(f"workdir {path} has no finished checkpoint yet{hint}")

@@ -7,8 +7,8 @@ nodes, so that the 'fsdp' and 'tensor' collectives run over neighbouring chips.
 Multi-slice (several TPU slices joined by the data-center network, or GPU nodes treated as
 slices): ``config.mesh.dcn_data = S`` splits the 'data' axis into S groups of slices (a hybrid
 mesh, ``mesh_utils.create_hybrid_device_mesh``), so that only the data-parallel gradient
-reduction crosses the slow network; 'fsdp' and 'tensor' stay inside each slice. Devices without
-a slice index (CPU, GPUs) count each process as a slice.
+reduction crosses the slow network; 'fsdp' and 'tensor' stay inside each slice. Devices that do not report slices
+(CPU, GPUs) count each process as a slice.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
     raise ValueError(f"config.mesh.dcn_data={slices} must divide the data axis ({shape[0]}); "
                      "each group of slices holds data / dcn_data of it")
   per_slice = (shape[0] // slices,) + tuple(shape[1:])
-  by_process = not hasattr(devices[0], "slice_index")
+  # Devices that report no slices (CPU, GPUs: one slice index for all) count processes.
+  by_process = len({getattr(d, "slice_index", 0) for d in devices}) == 1
   try:
     grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
                                                 process_is_granule=by_process)
