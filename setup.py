@@ -27,10 +27,15 @@ setuptools.setup(
         "tensorboardX>=2.6",
         "matplotlib>=3.7",  # experiments/ plots (quickstart run, stress test)
         "math-verify>=0.7",
+        "etils[epath]>=1.7",  # workdir paths, local or gs:// (training/checkpointing.py)
     ],
     extras_require={
         # Parquet datasets (tasks.read_records); the Hugging Face Hub loader also needs `datasets`.
         "data": ["pyarrow>=14"],
+        # Hub datasets (data.train='hub') and checkpoint downloads (huggingface-cli).
+        "datasets": ["datasets>=2.18", "huggingface_hub>=0.23", "pyarrow>=14"],
+        # gs:// workdirs: epath's and TensorBoard's Cloud Storage backends.
+        "gcs": ["gcsfs>=2024.2", "google-cloud-storage>=2.14"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",

@@ -14,7 +14,7 @@ gen; K Monte Carlo samples; the paper's StableDRL setting: block_random masks, S
   forward     jitted model(tokens), logits of every position: N * K rows of length L.
   train_core  jit(value_and_grad) of `rl_loss.objective_loss`: mask sampling, one forward pass of
               the N * K noised rows (logits of the completion positions only, as the trainer
-              computes them), the objective, the backward pass (SPEC section 8, step 4).
+              computes them), the objective, the backward pass (docs/training.md).
   train_step  `train_step.make_update_fn`: the train core plus gradient clipping, AdamW and the
               non-finite check, state donated (what the trainer runs per inner iteration).
   sampler     `sampling.generate` on the N rollout rows (temperature 0.9, low-confidence

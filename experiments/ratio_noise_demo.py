@@ -12,7 +12,7 @@ sequence ratio seen.
 Conditions:
   independent: numerator and denominator ELBOs with independent random masks
     (the official StableDRL setting: pure Monte Carlo noise).
-  stress: SPEC section 5, in a fraction 0.7 of the samples the numerator uses
+  stress: docs/stress_test.md, in a fraction 0.7 of the samples the numerator uses
     "easy" tail masks and the denominator "hard" head masks.
 
 Usage:

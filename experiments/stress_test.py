@@ -1,4 +1,4 @@
-r"""Stress test (SPEC section 5): does each objective survive exploding importance ratios?
+r"""Stress test (docs/stress_test.md): does each objective survive exploding importance ratios?
 
   python experiments/stress_test.py --config configs/stress_test.py --workdir runs/stress_test
 

@@ -1,4 +1,4 @@
-"""The scoring CLI: d1 file layout, shard pooling, and the d1 baseline table (SPEC section 9)."""
+"""The scoring CLI: d1 file layout, shard pooling, and the d1 baseline table (docs/tasks.md)."""
 
 import json
 import pathlib
@@ -14,7 +14,7 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "d
 BASELINES = SHARED_DATA / "d1_baseline_generations"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# SPEC section 9: LLaDA-8B-Instruct scored with the d1 protocol, gen length 128 / 256 / 512.
+# The d1 baseline table: LLaDA-8B-Instruct scored with the d1 protocol, gen length 128 / 256 / 512.
 D1_TABLE = {
     "gsm8k_instruct_128_64": 69.29, "gsm8k_instruct_256_128": 76.37,
     "gsm8k_instruct_512_256": 78.14,

@@ -1,4 +1,4 @@
-"""Rewards: the values SPEC section 9 prescribes, robustness to hostile completions, and the
+"""Rewards: the values the official reward code gives, robustness to hostile completions, and the
 d1 evaluation protocol's extraction rules."""
 
 import fractions

@@ -287,7 +287,7 @@ def test_gradient_bound_matches_per_sample_gradients(surrogate):
 
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_stabledrl_gradient_stays_inside_its_convex_hull_bound(num_microbatches):
-  """SPEC section 3: ||grad|| <= max_j |A_j| ||grad s_j||, even with log rho of +-1e4."""
+  """docs/stress_test.md: ||grad|| <= max_j |A_j| ||grad s_j||, even with log rho of +-1e4."""
   graphdef, params, batch = _toy_model_and_batch()
   spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
                                 token_level=False, eubo_beta=None, mask_id=15,
@@ -464,7 +464,7 @@ def test_every_objective_runs_a_step(objective, extra, tmp_path, sft_start):
 
 @pytest.mark.slow
 def test_stress_masks_make_the_log_ratio_explode(tmp_path, sft_start):
-  """SPEC section 5: easy numerator / hard denominator masks blow up log rho.
+  """docs/stress_test.md: easy numerator / hard denominator masks blow up log rho.
 
   Sequence-level GRPO (sum-form ELBO), one update, with the coupled ratio so that
   estimator noise is out of the picture: without stress log rho is exactly 0 before

@@ -13,14 +13,31 @@ shards and agrees on completion.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import flags
 from etils import epath
 
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+def _use_distributed_barriers() -> None:
+  """orbax's barriers through the jax.distributed key-value store, not device collectives.
+
+  An asynchronous save waits at barriers in a background thread. As device computations
+  (orbax's default) they interleave with the training step's computations in a different order
+  on each process, and the processes deadlock; the coordination service's barriers launch
+  nothing on the devices.
+  """
+  name = "experimental_orbax_use_distributed_barrier"
+  if name in flags.FLAGS:
+    if not flags.FLAGS.is_parsed():  # A library caller (notebook) that parsed no flags.
+      flags.FLAGS.mark_as_parsed()
+    flags.FLAGS[name].value = True
 
 
 def is_local(path: epath.PathLike) -> bool:
@@ -29,9 +46,19 @@ def is_local(path: epath.PathLike) -> bool:
 
 
 def resolve_workdir(workdir: epath.PathLike) -> epath.Path:
-  """The workdir as an absolute ``epath.Path`` (remote paths as given)."""
+  """The workdir as an absolute ``epath.Path`` (remote paths as given).
+
+  Raises:
+    ImportError: a ``gs://`` path without a Cloud Storage backend installed.
+  """
   path = epath.Path(workdir)
-  return path.expanduser().resolve() if is_local(workdir) else path
+  if is_local(workdir):
+    return path.expanduser().resolve()
+  if str(workdir).startswith("gs://") and not any(
+      importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+    raise ImportError(f"workdir {workdir}: gs:// paths need a Cloud Storage backend; install "
+                      "the gcs extra: pip install 'stabledrl_jax[gcs]'")
+  return path
 
 
 class Checkpointer:
@@ -45,6 +72,8 @@ class Checkpointer:
   def __init__(self, workdir: epath.PathLike, *, max_to_keep: int = 3, async_save: bool = True,
                read_only: bool = False):
     self.directory = resolve_workdir(workdir) / CHECKPOINT_DIR
+    if jax.process_count() > 1:
+      _use_distributed_barriers()
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, max_to_keep=None, create=False,
                                              save_interval_steps=0)

@@ -208,11 +208,11 @@ def gather_rows(values: np.ndarray, split: RowSplit) -> np.ndarray:
 
 def sum_over_rows(values: Sequence[float], split: RowSplit) -> np.ndarray:
   """The sums over all processes of host-side totals of their rows (each row counted once)."""
-  values = np.asarray(values, np.float32)
+  values = np.asarray(values, np.float64)
   if jax.process_count() == 1:
     return values
-  mine = values if split.primary else np.zeros_like(values)
-  return multihost_utils.process_allgather(mine).sum(axis=0)
+  mine = (values if split.primary else np.zeros_like(values)).astype(np.float32)
+  return multihost_utils.process_allgather(mine).astype(np.float64).sum(axis=0)
 
 
 def agree(flag: bool) -> bool:

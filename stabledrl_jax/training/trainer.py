@@ -444,9 +444,11 @@ class Trainer:
         batch = batch.replace(ref_logp=ref[i])
       self.state, metrics = self.update(self.state, batch, inner_key)
       inner.append(metrics)
-    metrics = {k: v for k, v in train_step._reduce_metrics(
-        jax.tree.map(lambda *xs: jnp.stack(xs), *inner)).items()}
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    # On the host: the metrics are replicated scalars, and host code launches no computation
+    # on global arrays that another process might order differently.
+    inner = jax.device_get(inner)
+    metrics = train_step._reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
+    metrics = {k: float(v) for k, v in metrics.items()}
     self.state = self.state.replace(step=jax.device_put(
         np.int32(step + 1), self.state_shardings.step))  # Global on every process.
 
