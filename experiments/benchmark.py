@@ -68,6 +68,7 @@ from flax import nnx
 from stabledrl_jax import models, profiling, sampling
 from stabledrl_jax.models import flops as flops_lib
 from stabledrl_jax.training import config_lib, mesh as mesh_lib, optimizer, rl_loss
+from stabledrl_jax.training import specs
 from stabledrl_jax.training import train_step, trainer
 
 
@@ -115,7 +116,7 @@ def rl_config(w: Workload):
                    block_length=w.block_length)
   c.estimator.update(num_samples=w.num_samples, block_length=w.block_length)
   c.mesh.update(data=1, fsdp=1, tensor=1)
-  config_lib.validate(c)
+  specs.validate(c)
   return c
 
 
@@ -152,8 +153,8 @@ def forward_case(name: str, model: nnx.Module, w: Workload) -> Case:
 
 def train_core_case(name: str, model: nnx.Module, w: Workload) -> Case:
   c = rl_config(w)
-  spec = config_lib.likelihood_spec(c, model.config.mask_token_id)
-  hparams = config_lib.objective_hparams(c)
+  spec = specs.likelihood_spec(c, model.config.mask_token_id)
+  hparams = specs.objective_hparams(c)
   graphdef, params = nnx.split(model, nnx.Param)
   batch = rollout_batch(model.config, w)
   key = jax.random.key(0)
@@ -178,7 +179,7 @@ def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optimizer.make_optimizer(c.optimizer, c.train.num_steps * c.train.num_iterations)
   state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0))(params)
-  spec = config_lib.likelihood_spec(c, model.config.mask_token_id)
+  spec = specs.likelihood_spec(c, model.config.mask_token_id)
   update = trainer.make_update(c, graphdef, tx, jax.tree.map(lambda x: x.sharding, state), mesh,
                                spec)
   batch = rollout_batch(model.config, w)

@@ -105,7 +105,7 @@ def main():
         f"{flags} --xla_force_host_platform_device_count={devices_needed}").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import config_lib, specs  # pylint: disable=g-import-not-at-top
 
   if jax.device_count() < devices_needed:
     sys.exit(f"{jax.device_count()} devices, {devices_needed} needed: XLA_FLAGS was set before "
@@ -132,7 +132,7 @@ def main():
       for remat in args.remat:
         config.train.microbatch_groups = group
         config.model.remat = remat
-        config_lib.validate(config, num_devices=ways)
+        specs.validate(config, num_devices=ways)
         label = ",".join(f"{a}={s}" for a, s in mesh_sizes.items() if s > 1) or "1 device"
         print(f"compiling {args.model} on {label}, remat={remat}, microbatch_groups={group} ...",
               flush=True)

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, multihost
+from stabledrl_jax.training import specs
 from stabledrl_jax.training import reward_pool
 from stabledrl_jax import tasks
 
@@ -329,19 +330,19 @@ def test_one_process_holds_every_row_and_gathers_are_identities():
 
 def test_a_mesh_says_which_microbatches_fit_it():
   config = config_lib.from_file(REPO / "configs" / "llada8b_math.py")
-  config_lib.validate(config, num_devices=8)
+  specs.validate(config, num_devices=8)
   with pytest.raises(ValueError, match=r"train.microbatch_groups.*one of \[16, 32\]"):
-    config_lib.validate(config, num_devices=256)
+    specs.validate(config, num_devices=256)
   config.train.microbatch_groups = 16
-  config_lib.validate(config, num_devices=256)
-  assert config_lib.microbatch_groups_for(config, 64) == [4, 8, 16, 32]
+  specs.validate(config, num_devices=256)
+  assert specs.microbatch_groups_for(config, 64) == [4, 8, 16, 32]
 
 
 def test_a_slice_count_must_divide_the_data_axis():
   config = config_lib.base_config()
   config.mesh.update(data=2, fsdp=-1, dcn_data=4)
   with pytest.raises(ValueError, match="mesh.dcn_data"):
-    config_lib.validate(config, num_devices=8)
+    specs.validate(config, num_devices=8)
 
 
 def test_a_group_split_between_processes_is_refused():

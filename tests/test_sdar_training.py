@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import block_estimators, models
-from stabledrl_jax.training import config_lib, data, metrics_writer, model_family, rl_loss
+from stabledrl_jax.training import data, metrics_writer, model_family, rl_loss
+from stabledrl_jax.training import specs
 from stabledrl_jax.training import supervised, train_step, trainer
 
 from test_training import _comparable, _final_params, load_config, tiny_config
@@ -40,7 +41,7 @@ def sdar_config(**updates):
 ])
 def test_bad_sdar_config_values_name_the_field(field, value, match):
   with pytest.raises(ValueError, match=match.replace(".", r"\.")):
-    config_lib.validate(sdar_config(**{field: value}), num_devices=1)
+    specs.validate(sdar_config(**{field: value}), num_devices=1)
 
 
 def test_bad_family_fails_before_anything_is_built(tmp_path):
@@ -62,10 +63,10 @@ def test_llada_override_names_size_an_sdar_model_and_unknown_fields_fail():
                         ("llada", "block_size")):
     config = tiny_config(**{"model.family": family, f"model.overrides.{field}": 8})
     with pytest.raises(ValueError, match=rf"config\.model\.overrides\.{field}: .*no field"):
-      config_lib.validate(config)
+      specs.validate(config)
   twice = sdar_config(**{"model.overrides.hidden_size": 64})  # d_model is set too.
   with pytest.raises(ValueError, match="another override"):
-    config_lib.validate(twice)
+    specs.validate(twice)
 
 
 def test_shipped_sdar_configs():
@@ -74,11 +75,11 @@ def test_shipped_sdar_configs():
   paper = load_config("sdar8b_math")
   assert (paper.model.family, paper.model.name, paper.tokenizer.kind) == ("sdar", "sdar_8b",
                                                                           "sdar")
-  assert config_lib.estimator_method(paper) == "block_random"
+  assert specs.estimator_method(paper) == "block_random"
   stress = load_config("stress_test")
   stress.model.family = "sdar"
   stress.estimator.stress.fraction = 0.7
-  config_lib.validate(stress)  # The quickstart's LLaDA-style overrides size the SDAR model.
+  specs.validate(stress)  # The quickstart's LLaDA-style overrides size the SDAR model.
 
 
 # ---------------------------------------------------------------------------
@@ -125,11 +126,11 @@ def _sdar_batch(model_config, n=8, prompt=8, gen=12, seed=0, num_tokens=24):
 def test_every_objective_updates_an_sdar_model(objective, extra):
   config = sdar_config(**{"objective.name": objective, "estimator.stress.fraction": 0.5,
                           **extra})
-  config_lib.validate(config)
+  specs.validate(config)
   model_config = model_family.model_config(config, data.make_tokenizer(config.tokenizer))
   model = models.init_model(model_config.replace(num_hidden_layers=1), seed=0)
   graphdef, params = nnx.split(model, nnx.Param)
-  spec = config_lib.likelihood_spec(config, model_config.mask_token_id,
+  spec = specs.likelihood_spec(config, model_config.mask_token_id,
                                     block_size=model_config.block_size)
   assert spec.block_size == 4
   batch = _sdar_batch(model_config)
@@ -142,8 +143,8 @@ def test_every_objective_updates_an_sdar_model(objective, extra):
   state = train_step.create_train_state(params, tx, seed=0)
   update = jax.jit(functools.partial(
       train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective=objective,
-      hparams=config_lib.objective_hparams(config), group_size=4, num_microbatches=2,
-      use_reference=config_lib.uses_reference(config)))
+      hparams=specs.objective_hparams(config), group_size=4, num_microbatches=2,
+      use_reference=specs.uses_reference(config)))
   new_state, metrics = update(state, batch.replace(old_logp=old, ref_logp=old - 0.1),
                               jax.random.key(2))
   assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0

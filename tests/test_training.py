@@ -21,6 +21,7 @@ from flax import nnx
 
 from stabledrl_jax import estimators, losses, models
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer, model_family
+from stabledrl_jax.training import specs
 from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss
 from stabledrl_jax.training import sweep, train_step, trainer
 
@@ -92,13 +93,13 @@ def test_bad_config_values_name_the_field(field, value, match):
   if field == "train.gradient_bound":
     config.objective.name = "wd1"
   with pytest.raises(ValueError, match=match.replace(".", r"\.")):
-    config_lib.validate(config, num_devices=1)
+    specs.validate(config, num_devices=1)
 
 
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_scan_layers_reaches_the_model_config(family):
   config = tiny_config(**{"model.scan_layers": True, "model.family": family})
-  config_lib.validate(config, num_devices=1)
+  specs.validate(config, num_devices=1)
   tokenizer = data.make_tokenizer(config.tokenizer)
   assert model_family.model_config(config, tokenizer).scan_layers
   config.model.scan_layers = False
@@ -108,21 +109,21 @@ def test_scan_layers_reaches_the_model_config(family):
 def test_token_level_grpo_needs_mean_field():
   config = tiny_config(**{"objective.name": "grpo", "estimator.method": "elbo"})
   with pytest.raises(ValueError, match="mean_field"):
-    config_lib.validate(config)
+    specs.validate(config)
 
 
 def test_a_kl_term_keeps_a_reference_model():
   config = tiny_config(**{"objective.name": "grpo", "estimator.method": ""})
-  assert config.objective.grpo.beta == 0.04 and config_lib.uses_reference(config)  # d1's
-  assert not config_lib.uses_reference(tiny_config(**{"objective.name": "grpo",
+  assert config.objective.grpo.beta == 0.04 and specs.uses_reference(config)  # d1's
+  assert not specs.uses_reference(tiny_config(**{"objective.name": "grpo",
                                                       "estimator.method": "",
                                                       "objective.grpo.beta": 0.0}))
-  assert not config_lib.uses_reference(tiny_config(**{"objective.name": "stabledrl"}))
+  assert not specs.uses_reference(tiny_config(**{"objective.name": "stabledrl"}))
 
 
 def test_mesh_must_match_the_devices():
   with pytest.raises(ValueError, match="config.mesh"):
-    config_lib.validate(tiny_config(**{"mesh.data": 3}), num_devices=8)
+    specs.validate(tiny_config(**{"mesh.data": 3}), num_devices=8)
 
 
 @pytest.mark.parametrize("objective,level,official", [
@@ -142,22 +143,22 @@ def test_the_objective_name_alone_gives_its_official_estimator(objective, level,
   config.objective.name = objective
   if level:
     config.objective.grpo.level = level
-  settings = config_lib.estimator_settings(config)
+  settings = specs.estimator_settings(config)
   assert {k: settings[k] for k in official} == official
   # Every setting stays overridable; another method keeps its own option defaults.
   config.estimator.update(num_samples=3, coupled_ratio=not settings["coupled_ratio"])
-  assert config_lib.estimator_settings(config)["num_samples"] == 3
+  assert specs.estimator_settings(config)["num_samples"] == 3
   config.estimator.method = "block_random_unbiased"
-  assert set(config_lib.estimator_settings(config)) == {
+  assert set(specs.estimator_settings(config)) == {
       "method", "num_samples", "normalize", "coupled_ratio", "block_length"}
 
 
 def test_an_option_the_method_does_not_take_is_a_config_error():
   config = tiny_config(**{"estimator.schedule": "count"})  # the quickstart's elbo: fine
-  config_lib.validate(config)
+  specs.validate(config)
   config = tiny_config(**{"estimator.method": "mean_field", "estimator.block_length": 8})
   with pytest.raises(ValueError, match="estimator.block_length"):
-    config_lib.validate(config)
+    specs.validate(config)
 
 
 @pytest.mark.parametrize("name", ["llada8b_gsm8k", "llada8b_math", "llada8b_countdown",
@@ -168,13 +169,26 @@ def test_paper_configs_run_the_official_schedule_on_float32_master_weights(name)
   assert config.train.num_steps * config.train.num_iterations == 2000
   assert (config.model.param_dtype, config.model.dtype) == ("float32", "bfloat16")
   assert config.optimizer.schedule == "linear" and config.optimizer.end_lr_factor == 0.0
-  assert config_lib.estimator_method(config) == "block_random"
+  assert specs.estimator_method(config) == "block_random"
   assert config.task.reward == "stabledrl"
+
+
+def test_config_files_import_neither_jax_nor_flax():
+  """Loading every config (as --help, a sweep or a notebook does) stays light: the schema is
+  ml_collections only; what a run derives from it lives in training/specs.py."""
+  script = ("import sys, glob\n"
+            "from stabledrl_jax.training import config_lib\n"
+            f"for path in sorted(glob.glob({str(REPO / 'configs' / '*.py')!r})):\n"
+            "  config_lib.from_file(path)\n"
+            "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'numpy') if m in sys.modules)\n"
+            "print(heavy)\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_every_shipped_config_validates():
   for path in sorted((REPO / "configs").glob("*.py")):
-    config_lib.validate(load_config(path.stem))
+    specs.validate(load_config(path.stem))
 
 
 # ---------------------------------------------------------------------------
@@ -648,10 +662,10 @@ def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed
       attention_mask=jnp.ones((n, length), bool),
       advantages=jnp.tile(jnp.array([1.0, -1.0]), n // 2), old_logp=jnp.zeros(n),
       ref_logp=jnp.zeros(n))
-  spec = config_lib.likelihood_spec(config, model.config.mask_token_id)
+  spec = specs.likelihood_spec(config, model.config.mask_token_id)
   new_state, metrics = jax.jit(functools.partial(
       train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=config_lib.objective_hparams(config), group_size=config.rollout.group_size,
+      hparams=specs.objective_hparams(config), group_size=config.rollout.group_size,
       num_microbatches=1, use_reference=False))(state, batch, jax.random.key(2))
   assert int(metrics["skipped"]) == 0
   changed = sum(int(jnp.sum(a != b)) for a, b in zip(jax.tree.leaves(new_state.params),

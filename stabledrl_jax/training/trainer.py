@@ -48,7 +48,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import estimators, losses, models, sampling, tasks
-from stabledrl_jax.training import checkpointing, config_lib, data, mesh as mesh_lib
+from stabledrl_jax.training import checkpointing, data, mesh as mesh_lib
+from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, model_family, multihost
 from stabledrl_jax.training import optimizer as optimizer_lib
 from stabledrl_jax.training import reward_pool, rl_loss, supervised, train_step
@@ -92,7 +93,7 @@ def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: st
                      f"{found} model")
   block_size = model_family.block_size(model.config)
   if block_size is not None:
-    config_lib.check_block_layout(config, block_size)
+    specs.check_block_layout(config, block_size)
   return model
 
 
@@ -172,9 +173,9 @@ def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shar
       graphdef, tx, state_shardings=state_shardings,
       batch_shardings=models.batch_sharding(mesh, ndim=1),
       replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec=spec,
-      objective=config.objective.name, hparams=config_lib.objective_hparams(config),
-      group_size=config.rollout.group_size, num_microbatches=config_lib.num_microbatches(config),
-      use_reference=config_lib.uses_reference(config),
+      objective=config.objective.name, hparams=specs.objective_hparams(config),
+      group_size=config.rollout.group_size, num_microbatches=specs.num_microbatches(config),
+      use_reference=specs.uses_reference(config),
       gradient_bound=config.train.gradient_bound)
 
 
@@ -203,7 +204,7 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(lambda p: train_step.create_train_state(p, tx, config.seed),
                                       params), shardings)
-  spec = config_lib.likelihood_spec(config, model_cfg.mask_token_id,
+  spec = specs.likelihood_spec(config, model_cfg.mask_token_id,
                                     block_size=model_family.block_size(model_cfg))
   r = config.rollout
   n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
@@ -226,7 +227,7 @@ class Trainer:
   """Holds what the loop needs across steps; ``run()`` trains to ``train.num_steps``."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | epath.PathLike):
-    config_lib.validate(config, num_devices=jax.device_count())
+    specs.validate(config, num_devices=jax.device_count())
     if config.train.compilation_cache_dir:  # Before anything compiles.
       jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
     self.config = config
@@ -267,7 +268,7 @@ class Trainer:
     self.model_config = model.config
     self.graphdef, params = nnx.split(model, nnx.Param)
     # The reference for KL terms is the start of RL, frozen.
-    self.ref_params = params if config_lib.uses_reference(config) else None
+    self.ref_params = params if specs.uses_reference(config) else None
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
@@ -283,9 +284,9 @@ class Trainer:
       self.start_step = int(state.step)
     self.state = state
 
-    self.spec = config_lib.likelihood_spec(config, self.model_config.mask_token_id,
+    self.spec = specs.likelihood_spec(config, self.model_config.mask_token_id,
                                            block_size=model_family.block_size(self.model_config))
-    self.spec_settings = config_lib.estimator_settings(config)
+    self.spec_settings = specs.estimator_settings(config)
     objective = losses.get_objective(config.objective.name)
     self.needs_old = "old_logp" in objective.requires
     self.update = make_update(config, self.graphdef, self.tx, self.state_shardings, self.mesh,
@@ -294,7 +295,7 @@ class Trainer:
         self.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
             params, batch, key, graphdef=self.graphdef, spec=self.spec,
             group_size=config.rollout.group_size,
-            num_microbatches=config_lib.num_microbatches(config), stress_mode=stress_mode,
+            num_microbatches=specs.num_microbatches(config), stress_mode=stress_mode,
             microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
         static_argnames="stress_mode")
     self.writer = (metrics_writer.MetricsWriter(self.workdir, resume_step=self.start_step)
@@ -418,7 +419,7 @@ class Trainer:
     advantages = np.asarray(losses.group_advantages(
         jnp.asarray(rewards), r.group_size,
         scale_by_std=config.objective.scale_advantages_by_std,
-        baseline=config_lib.advantage_baseline(config)))
+        baseline=specs.advantage_baseline(config)))
     stressed = None
     if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(

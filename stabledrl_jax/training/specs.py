@@ -1,0 +1,288 @@
+"""What a run needs from a config: the check of every field, and the static specs it builds.
+
+``validate`` runs before anything is compiled and raises a ValueError naming the offending field.
+The estimator settings, the likelihood spec and the objective's hyperparameters are derived here
+from the config and the registries (``losses``, ``estimators``, ``model_family``), so that the
+config files themselves (``training/config_lib.py``) import nothing heavy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import ml_collections
+
+from stabledrl_jax import estimators, losses, tasks
+from stabledrl_jax.training import model_family, rl_loss
+
+# Estimator fields that, left unset (None or ''), take the objective's official value
+# (``losses.Objective.estimator``); ``block_length`` falls back to this.
+_ESTIMATOR_FIELDS = ("method", "num_samples", "normalize", "coupled_ratio", "block_length",
+                     "prompt_mask_prob", "schedule", "coupled")
+_DEFAULT_BLOCK_LENGTH = 32
+# The estimator settings that belong to the objective whatever the method (the rest are options
+# of the official method's mask sampler).
+_OBJECTIVE_ESTIMATOR_FIELDS = ("num_samples", "normalize", "coupled_ratio")
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+  if not condition:
+    raise ValueError(f"config.{field}: {message}")
+
+
+def objective_level(config: ml_collections.ConfigDict) -> str | None:
+  return config.objective.grpo.level if config.objective.name == "grpo" else None
+
+
+def _objective_section(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  return dict(config.objective.get(config.objective.name, {}))
+
+
+def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The estimator fields, each unset one (None or '') filled in from the objective's official
+  settings (``losses.Objective.estimator``), then from the estimator's own defaults."""
+  objective = losses.get_objective(config.objective.name)
+  settings = {"normalize": objective.normalize, "block_length": _DEFAULT_BLOCK_LENGTH,
+              "coupled_ratio": False, "num_samples": 1}
+  official = objective.estimator(_objective_section(config))
+  if config.estimator.method and config.estimator.method != official["method"]:
+    # Another method than the official one: its options keep their own defaults.
+    official = {k: v for k, v in official.items() if k in _OBJECTIVE_ESTIMATOR_FIELDS}
+  settings.update(official)
+  for field in _ESTIMATOR_FIELDS:
+    value = config.estimator.get(field)
+    if value is not None and value != "":
+      settings[field] = value
+  return settings
+
+
+def estimator_method(config: ml_collections.ConfigDict) -> str:
+  return estimator_settings(config)["method"]
+
+
+def sampler_options(method: str) -> tuple[str, ...]:
+  """The keyword options of ``method``'s mask sampler (estimators.MASK_SAMPLERS)."""
+  params = inspect.signature(estimators.MASK_SAMPLERS[method]).parameters.values()
+  return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def uses_reference(config: ml_collections.ConfigDict) -> bool:
+  """Whether the objective, with these hyperparameters, needs a frozen reference policy."""
+  return losses.get_objective(config.objective.name).uses_reference(_objective_section(config))
+
+
+def advantage_baseline(config: ml_collections.ConfigDict) -> str:
+  return (config.objective.advantage_baseline
+          or losses.get_objective(config.objective.name).baseline)
+
+
+def check_block_layout(config: ml_collections.ConfigDict, block_size: int) -> None:
+  """A block diffusion model's rollouts fit its blocks, which are fixed by absolute position.
+
+  The left-padded prompt and the completion must fill whole blocks (so that the sampler and the
+  block estimators see the same blocks, and no block mixes prompt and completion), and
+  ``rollout.steps`` must split evenly over the completion's blocks.
+  """
+  r = config.rollout
+  for field in ("prompt_length", "gen_length"):
+    _require(r[field] % block_size == 0, f"rollout.{field}",
+             f"{r[field]} is not a multiple of the model's block_size={block_size} (SDAR blocks "
+             f"are fixed by absolute position: prompt and completion must fill whole blocks)")
+  num_blocks = r.gen_length // block_size
+  _require(r.steps % num_blocks == 0, "rollout.steps",
+           f"{r.steps} is not a multiple of the number of completion blocks ({num_blocks} of "
+           f"the model's block_size={block_size})")
+
+
+def _validate_model(config: ml_collections.ConfigDict) -> tuple[model_family.Family, int | None]:
+  """model.family, model.name and model.overrides; returns the family and its block size.
+
+  The block size is None for full attention, and for a checkpoint (known once it is loaded).
+  """
+  family = model_family.get(config.model.family)
+  model_family.resolve_overrides(family, dict(config.model.overrides))
+  if config.model.checkpoint:
+    return family, None
+  _require(config.model.name in family.config_names, "model.name",
+           f"{config.model.name!r} is not a {family.name} config; choose from "
+           f"{family.config_names} (or set model.family)")
+  return family, model_family.named_block_size(config)
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
+  name = config.objective.name
+  _require(name in losses.objective_names(), "objective.name",
+           f"{name!r} is not one of {losses.objective_names()}")
+  family, block_size = _validate_model(config)
+  r = config.rollout
+  for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
+                "block_length"):
+    _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
+             f"must be a positive integer, got {r[field]!r}")
+  if family.name == "llada":  # Semi-autoregressive blocks of the completion.
+    _require(r.gen_length % r.block_length == 0, "rollout.gen_length",
+             f"{r.gen_length} is not a multiple of rollout.block_length={r.block_length}")
+    num_blocks = r.gen_length // r.block_length
+    _require(r.steps % num_blocks == 0, "rollout.steps",
+             f"{r.steps} is not a multiple of the number of blocks ({num_blocks})")
+  elif block_size is not None:  # A checkpoint's is checked when it is loaded.
+    check_block_layout(config, block_size)
+  _require(r.temperature >= 0, "rollout.temperature", f"must be >= 0, got {r.temperature}")
+  _require(r.remasking in family.remasking, "rollout.remasking",
+           f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
+  _require(0 < r.threshold <= 1, "rollout.threshold", f"must lie in (0, 1], got {r.threshold}")
+  if name == "grpo":
+    _require(config.objective.grpo.level in ("token", "sequence"), "objective.grpo.level",
+             f"{config.objective.grpo.level!r} is not 'token' or 'sequence'")
+  _validate_estimator(config, block_size is not None or family.name != "llada")
+  stress = config.estimator.stress
+  _require(0 <= stress.fraction <= 1, "estimator.stress.fraction",
+           f"must lie in [0, 1] (0: off), got {stress.fraction}")
+  for field in ("easy_rate", "hard_rate"):
+    _require(0 < stress[field] <= 1, f"estimator.stress.{field}",
+             f"must lie in (0, 1], got {stress[field]}")
+  _require(stress.easy_rate <= stress.hard_rate, "estimator.stress.easy_rate",
+           f"the easy masks must not mask more than the hard ones, got easy_rate="
+           f"{stress.easy_rate} > hard_rate={stress.hard_rate}")
+  if name == "stabledrl":
+    s = config.objective.stabledrl
+    _require(0 <= s.min_ratio < s.max_ratio, "objective.stabledrl.max_ratio",
+             f"needs 0 <= min_ratio < max_ratio, got {s.min_ratio}, {s.max_ratio}")
+    _require(s.normalize_over in ("group", "batch"), "objective.stabledrl.normalize_over",
+             f"{s.normalize_over!r} is not 'group' or 'batch'")
+  if name in ("stabledrl", "spg"):
+    _require(config.objective[name].surrogate in ("elbo", "sandwich"),
+             f"objective.{name}.surrogate",
+             f"{config.objective[name].surrogate!r} is not 'elbo' or 'sandwich'")
+  _require(advantage_baseline(config) in losses.ADVANTAGE_BASELINES,
+           "objective.advantage_baseline",
+           f"{config.objective.advantage_baseline!r} is not '' or one of "
+           f"{losses.ADVANTAGE_BASELINES}")
+  _require(advantage_baseline(config) != "leave_one_out" or r.group_size >= 2,
+           "rollout.group_size", "a leave-one-out advantage baseline needs at least 2")
+  o = config.optimizer
+  _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+  _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
+           f"{o.schedule!r} is not 'linear' or 'constant'")
+  _require(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0: no clipping)")
+  t = config.train
+  _require(t.num_steps >= 0, "train.num_steps", "must be >= 0")
+  _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
+  _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
+  _require(t.microbatch_groups >= 0, "train.microbatch_groups", "must be >= 0")
+  _require(not t.gradient_bound or name == "stabledrl", "train.gradient_bound",
+           f"the convex-hull bound is StableDRL's; objective.name is {name!r}")
+  if t.microbatch_groups:
+    _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
+             f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")
+  _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  _require(config.checkpoint.every_seconds >= 0, "checkpoint.every_seconds",
+           "must be >= 0 (0: off)")
+  _require(config.task.reward_workers >= 0, "task.reward_workers", "must be >= 0 (0: in process)")
+  _require(config.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
+  _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
+  _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
+  _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
+           f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
+  _require(config.tokenizer.kind in ("char", "llada", "sdar"), "tokenizer.kind",
+           f"{config.tokenizer.kind!r} is not 'char', 'llada' or 'sdar'")
+  if num_devices is not None:
+    from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
+    try:
+      sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
+    except ValueError as err:
+      raise ValueError(str(err)) from None
+    ways = sizes["data"] * sizes["fsdp"]
+    _require(sizes["data"] % int(config.mesh.get("dcn_data", 1) or 1) == 0, "mesh.dcn_data",
+             f"{config.mesh.dcn_data} does not divide the data axis ({sizes['data']})")
+    per_microbatch = r.num_prompts // num_microbatches(config)
+    if per_microbatch * r.group_size % ways:
+      fits = microbatch_groups_for(config, ways)
+      advice = (f"on this mesh set train.microbatch_groups to one of {fits} (e.g. "
+                f"--config.train.microbatch_groups={fits[0]})" if fits else
+                f"no microbatch fits: make rollout.num_prompts x rollout.group_size a multiple "
+                f"of {ways}")
+      _require(False, "train.microbatch_groups" if t.microbatch_groups else "rollout.num_prompts",
+               f"a microbatch of {per_microbatch} prompts x {r.group_size} completions does not "
+               f"split over data x fsdp = {ways} devices; {advice}")
+    if config.sft.num_steps and not config.model.checkpoint:
+      _require(config.sft.batch_size % ways == 0, "sft.batch_size",
+               f"{config.sft.batch_size} does not split over data x fsdp = {ways} devices")
+
+
+def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) -> None:
+  settings = estimator_settings(config)
+  method, methods = settings["method"], tuple(estimators.MASK_SAMPLERS)
+  _require(method in methods, "estimator.method", f"{method!r} is not one of {methods}")
+  if objective_level(config) == "token":
+    _require(method == "mean_field", "estimator.method",
+             "token-level GRPO scores every completion token, so it needs 'mean_field'")
+  _require(settings["normalize"] in ("sum", "mean"), "estimator.normalize",
+           f"{settings['normalize']!r} is not '', 'sum' or 'mean'")
+  _require(isinstance(settings["num_samples"], int) and settings["num_samples"] >= 1,
+           "estimator.num_samples", f"must be an integer >= 1, got {settings['num_samples']!r}")
+  _require(0 <= settings.get("prompt_mask_prob", 0.0) <= 1, "estimator.prompt_mask_prob",
+           "must lie in [0, 1]")
+  _require(settings["block_length"] >= 1, "estimator.block_length", "must be >= 1")
+  if not block_model:  # A set option that the method does not take would be silently ignored.
+    taken = sampler_options(method)
+    for field in ("block_length", "prompt_mask_prob", "schedule", "coupled"):
+      value = config.estimator.get(field)
+      _require(value is None or value == "" or field in taken, f"estimator.{field}",
+               f"the {method!r} estimator takes no {field!r} (it takes {taken or 'none'}); "
+               f"unset it")
+
+
+def microbatch_groups_for(config: ml_collections.ConfigDict, ways: int) -> list[int]:
+  """The ``train.microbatch_groups`` whose microbatches split over ``ways`` = data x fsdp
+  devices (each device needs whole rows)."""
+  r = config.rollout
+  return [g for g in range(1, r.num_prompts + 1)
+          if r.num_prompts % g == 0 and g * r.group_size % ways == 0]
+
+
+def num_microbatches(config: ml_collections.ConfigDict) -> int:
+  groups = config.train.microbatch_groups or config.rollout.num_prompts
+  return config.rollout.num_prompts // groups
+
+
+def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
+                    block_size: int | None = None) -> rl_loss.LikelihoodSpec:
+  """The static estimator settings of the configured objective.
+
+  ``block_size``: that of a block diffusion model (its estimators: see ``rl_loss``), or None.
+  """
+  name = config.objective.name
+  settings = estimator_settings(config)
+  method, e = settings["method"], config.estimator
+  if block_size is not None:  # The block ELBO takes only `coupled`; its mean field nothing.
+    options = {} if method == "mean_field" else {"coupled": bool(settings.get("coupled"))}
+  else:
+    options = {k: settings[k] for k in sampler_options(method) if k in settings}
+  stress_rates = None
+  if e.stress.fraction > 0:
+    stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
+  eubo_beta = None
+  if name in ("stabledrl", "spg") and config.objective[name].surrogate == "sandwich":
+    eubo_beta = float(config.objective[name].eubo_beta)
+  return rl_loss.LikelihoodSpec(
+      method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
+      token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
+      options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size,
+      # Completions fill the last gen_length positions of every rollout row.
+      scored_suffix=config.rollout.gen_length if block_size is None else None)
+
+
+def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+  """Keyword arguments of the registered objective, from ``config.objective.<name>``."""
+  name = config.objective.name
+  hparams = dict(config.objective[name])
+  for key in ("level", "eubo_beta"):  # Estimator settings, not loss arguments.
+    hparams.pop(key, None)
+  if name == "espo":
+    hparams["gen_length"] = config.rollout.gen_length
+  return tuple(sorted(hparams.items()))
+
+
