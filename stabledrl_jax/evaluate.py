@@ -9,7 +9,7 @@ examples become left-padded prompts, decoded with d1's settings (steps = length 
 32, greedy; each can be overridden) in batches split over the data axes of the mesh, and are
 written in d1's format to DIR/TASK_MODEL_GENLEN_STEPS_SHARD_generations.json, one file per shard
 of --shard_size examples. Then the table and JSON of the scoring CLI
-(`python -m stabledrl_jax.evaluation DIR`) for every generation file in DIR.
+(`python -m stabledrl_jax.scoring DIR`) for every generation file in DIR.
 
 Resuming: each shard file is written atomically once all its rows are decoded, so rerunning the
 same command skips the finished shards and starts at the first unfinished one. Row noise comes
@@ -41,7 +41,7 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import evaluation, models, sampling, tasks
+from stabledrl_jax import models, sampling, scoring, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, mesh as mesh_lib
 from stabledrl_jax.training import multihost
 
@@ -132,7 +132,7 @@ def load_test_set(task_name: str, source: str = "", *, data_dir: str = str(tasks
     config.data.eval_size = limit or config.data.eval_size or 256
     return list(data.make_examples(config, "eval"))
   if source and os.path.isdir(source):
-    records = evaluation.setup_records(source, task.name)[:limit or None]
+    records = scoring.setup_records(source, task.name)[:limit or None]
     return [task.example_from_record(record) for record in records]
   if not source and task.name in D1_TEST_FILES:
     source = os.path.join(data_dir, D1_TEST_FILES[task.name])
@@ -149,12 +149,13 @@ def load_test_set(task_name: str, source: str = "", *, data_dir: str = str(tasks
                       f"--data {task.name}=DIR.") from None
 
 
-def encode_prompts(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example],
+def styled_prompts(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example],
                    style: PromptStyle) -> tuple[np.ndarray, np.ndarray]:
-  """Left-padded prompts: tokens [N, P] int32 and their mask [N, P] bool (True: real token)."""
+  """The examples' prompts in ``style``, left-padded by ``data.encode_prompts``: tokens [N, P]
+  int32 and their mask [N, P] bool (True: real token)."""
   texts = [data.format_prompt(tokenizer, task, example, with_instruction=style.with_instruction,
                               assistant_prefix=style.assistant_prefix) for example in examples]
-  return tokenizer.encode_batch(texts, length=style.length or None, padding_side="left")
+  return data.encode_prompts(tokenizer, texts, style.length or None)
 
 
 def model_name_of(name: str) -> str:
@@ -272,7 +273,7 @@ def generate_shards(model: models.LLaDA, tokenizer, task: tasks.Task,
   os.makedirs(output_dir, exist_ok=True)
   # Every shard pads to the task's longest prompt: one compiled shape for the whole set, and the
   # same on every host.
-  tokens, mask = encode_prompts(tokenizer, task, examples, style)
+  tokens, mask = styled_prompts(tokenizer, task, examples, style)
   # What a finished shard must match to be kept (JSON round trip: lists, not tuples).
   header = json.loads(json.dumps({**settings.describe(),
                                   "prompt": dataclasses.asdict(style),
@@ -297,7 +298,7 @@ def generate_shards(model: models.LLaDA, tokenizer, task: tasks.Task,
                                        batch_size=batch_size, key=jax.random.fold_in(key, shard),
                                        progress=progress)
       texts = data.decode_completions(tokenizer, completions)
-      evaluation.write_generations(
+      scoring.write_generations(
           path, examples[rows], texts, **(metadata or {}), gen_length=settings.gen_length,
           diffusion_steps=settings.steps, block_length=settings.block_length,
           metrics={"wall_time": time.perf_counter() - start, "total_processed": len(texts)},
@@ -369,11 +370,11 @@ def data_sources(pairs: Sequence[str], names: Sequence[str]) -> dict[str, str]:
   return sources
 
 
-def run(options: Options) -> dict[str, evaluation.SetupResult] | None:
+def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   """Generates the missing shards of every task and length, then scores OUTPUT_DIR.
 
   Returns:
-    {setup: evaluation.SetupResult} of every setup in OUTPUT_DIR (host 0; other hosts: None).
+    {setup: scoring.SetupResult} of every setup in OUTPUT_DIR (host 0; other hosts: None).
 
   Raises:
     ValueError, FileNotFoundError: bad options, found before any model is loaded when possible.
@@ -434,7 +435,7 @@ def run(options: Options) -> dict[str, evaluation.SetupResult] | None:
   if jax.process_index() != 0:
     return None
   output = options.output or os.path.join(options.output_dir, "results.json")
-  return evaluation.report([options.output_dir], output)
+  return scoring.report([options.output_dir], output)
 
 
 def define_flags() -> None:

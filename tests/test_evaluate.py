@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import evaluate, evaluation, models, tasks, tokenizers
+from stabledrl_jax import evaluate, models, scoring, tasks, tokenizers
 from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, trainer
 from test_training import tiny_config
 
@@ -119,7 +119,7 @@ def test_cli_writes_d1_files_that_the_scoring_cli_reads(tmp_path, hf_checkpoint,
   assert countdown["generations"][0]["ground_truth"] == [[76, 41, 59], 24]
   # The scoring CLI reads the directory, pooling the shards of each setup; its table and JSON
   # are what the run printed and wrote.
-  assert evaluation.main([str(out), "--output", str(tmp_path / "scored.json")]) == 0
+  assert scoring.main([str(out), "--output", str(tmp_path / "scored.json")]) == 0
   scored = json.loads((tmp_path / "scored.json").read_text())
   assert json.loads((out / "results.json").read_text()) == scored
   assert {setup: result["n"] for setup, result in scored.items()} == {
@@ -245,7 +245,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     tokenizer = tokenizers.CharTokenizer()
     task = tasks.get_task("countdown")
     examples = evaluate.load_test_set("countdown", data_dir=data_dir)
-    tokens, mask = evaluate.encode_prompts(tokenizer, task, examples,
+    tokens, mask = evaluate.styled_prompts(tokenizer, task, examples,
                                            evaluate.PromptStyle(with_instruction=False))
     assert not mask.all()  # ragged prompts, left-padded
     settings = evaluate.SamplerSettings.d1(32)
@@ -299,7 +299,7 @@ def test_d1_settings_and_file_names():
   assert evaluate.SamplerSettings.d1(256, steps=64).steps == 64
   path = evaluate.generation_path("out", "gsm8k", "instruct", settings, 3)
   assert path.name == "gsm8k_instruct_256_128_3_generations.json"
-  assert evaluation.setup_of(path) == "gsm8k_instruct_256_128"
+  assert scoring.setup_of(path) == "gsm8k_instruct_256_128"
   assert evaluate.model_name_of("LLaDA_8B Instruct/") == "LLaDA-8B-Instruct"
 
 
@@ -325,7 +325,7 @@ def test_two_hosts_write_the_files_of_one_host_between_them(tmp_path, hf_checkpo
       ["0", "2"], ["1", "3"]]
   evaluate.generate_shards(output_dir=tmp_path / "one", **common)
   assert shard_files(tmp_path / "two") == shard_files(tmp_path / "one")
-  pooled = evaluation.score_generation_files([tmp_path / "two"])
+  pooled = scoring.score_generation_files([tmp_path / "two"])
   assert pooled["sudoku_m_32_16"].n == len(examples) == 7
   for name in shard_files(tmp_path / "one"):
     assert (json.loads((tmp_path / "two" / name).read_text())["generations"]
@@ -345,9 +345,9 @@ def test_a_directory_of_generation_files_gives_its_questions(tmp_path):
   examples = [task.example_from_record({"Puzzle": p, "Solution": s}) for p, s in SUDOKU]
   for setup, order in (("sudoku_a_128_64", (0, 2, 10)), ("sudoku_b_256_128", (10, 2, 0))):
     for position, shard in enumerate(order):
-      evaluation.write_generations(tmp_path / f"{setup}_{shard}_generations.json",
+      scoring.write_generations(tmp_path / f"{setup}_{shard}_generations.json",
                                    examples[2 * position:2 * position + 2], ["", ""])
-  evaluation.write_generations(tmp_path / "countdown_a_128_64_0_generations.json", [], [])
+  scoring.write_generations(tmp_path / "countdown_a_128_64_0_generations.json", [], [])
   loaded = evaluate.load_test_set("sudoku", str(tmp_path), limit=5)
   assert loaded == examples[:5]
   with pytest.raises(ValueError, match="no gsm8k_"):

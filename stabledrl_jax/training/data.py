@@ -74,19 +74,19 @@ def noisy_demonstration(task: tasks.Task, example: tasks.Example, rng: np.random
   return "".join(cells)
 
 
-def encode_prompts(tokenizer, texts: Sequence[str], prompt_length: int) -> tuple[np.ndarray,
-                                                                                  np.ndarray]:
-  """Left-padded prompts: tokens [P, prompt_length] int32 and mask [P, prompt_length] bool."""
-  tokens = np.full((len(texts), prompt_length), tokenizer.pad_id, np.int32)
-  mask = np.zeros((len(texts), prompt_length), bool)
-  for row, text in enumerate(texts):
-    ids = tokenizer.encode(text)
-    if len(ids) > prompt_length:
-      raise ValueError(f"A prompt has {len(ids)} tokens, more than config.rollout.prompt_length="
-                       f"{prompt_length}: {text[:80]!r}...")
-    tokens[row, prompt_length - len(ids):] = ids
-    mask[row, prompt_length - len(ids):] = True
-  return tokens, mask
+def encode_prompts(tokenizer, texts: Sequence[str], prompt_length: int | None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded prompts: tokens [P, prompt_length] int32 and mask [P, prompt_length] bool
+  (True: a real token). ``prompt_length`` None: the longest prompt's length.
+
+  The one prompt encoder of training and evaluation.
+  """
+  try:
+    return tokenizer.encode_batch(texts, length=prompt_length or None, padding_side="left")
+  except ValueError as error:  # Name the setting to raise; never truncate a prompt.
+    longest = max(range(len(texts)), key=lambda i: len(tokenizer.encode(texts[i])))
+    raise ValueError(f"{error} (config.rollout.prompt_length / --prompt_length): "
+                     f"{texts[longest][:80]!r}...") from None
 
 
 def encode_completions(tokenizer, texts: Sequence[str], gen_length: int) -> np.ndarray:

@@ -5,7 +5,7 @@ Generation files follow d1: JSON {"generations": [{"question", "generations", "g
 (the name without "_SHARD_generations.json", e.g. "gsm8k_instruct_256_128") are pooled, and each
 item is scored by its task's metric (`Task.score`).
 
-    python -m stabledrl_jax.evaluation DIR_OF_D1_GENERATION_FILES --output results.json
+    python -m stabledrl_jax.scoring DIR_OF_D1_GENERATION_FILES --output results.json
 
 prints a table of setup, accuracy (%) and n (items), and writes
 {"<setup>": {"accuracy": <percent>, "n": <int>}}.
@@ -165,7 +165,7 @@ def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | Non
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m stabledrl_jax.evaluation",
+      prog="python -m stabledrl_jax.scoring",
       description="Score d1-format generation files (TASK_MODEL_GENLEN_STEPS_SHARD_"
                   "generations.json) with the d1 protocol; shards of a setup are pooled.")
   parser.add_argument("paths", nargs="+", help="generation files or directories holding them")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from stabledrl_jax import evaluation
+from stabledrl_jax import scoring
 from stabledrl_jax import tasks
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -30,7 +30,7 @@ D1_TABLE = {
 @pytest.mark.skipif(not BASELINES.is_dir(), reason="needs ../shared/data (not in user clones)")
 def test_reproduces_the_d1_baseline_table(tmp_path):
   output = tmp_path / "results.json"
-  assert evaluation.main([str(BASELINES), "--output", str(output)]) == 0
+  assert scoring.main([str(BASELINES), "--output", str(output)]) == 0
   results = json.loads(output.read_text())
   assert set(results) == set(D1_TABLE)
   for setup, published in D1_TABLE.items():
@@ -42,7 +42,7 @@ def test_reproduces_the_d1_baseline_table(tmp_path):
 def _write(directory, name, items):
   """items: (example, completion) pairs."""
   examples, completions = zip(*items)
-  evaluation.write_generations(directory / name, examples, completions, gen_length=8)
+  scoring.write_generations(directory / name, examples, completions, gen_length=8)
 
 
 def test_shards_of_a_setup_are_pooled(tmp_path):
@@ -52,7 +52,7 @@ def test_shards_of_a_setup_are_pooled(tmp_path):
   _write(tmp_path, "gsm8k_tiny_8_4_1_generations.json", [right, right])
   _write(tmp_path, "gsm8k_tiny_16_8_0_generations.json", [wrong])
   (tmp_path / "notes.json").write_text("{}")  # ignored: not a generation file
-  results = evaluation.score_generation_files([tmp_path])
+  results = scoring.score_generation_files([tmp_path])
   assert list(results) == ["gsm8k_tiny_16_8", "gsm8k_tiny_8_4"]
   assert results["gsm8k_tiny_8_4"].accuracy == pytest.approx(75.0)
   assert results["gsm8k_tiny_8_4"].n == 4
@@ -67,7 +67,7 @@ def test_sudoku_accuracy_pools_cells_over_puzzles(tmp_path):
       (few_blanks, f"<answer>{solution}</answer>"),          # 1 of 1
       (many_blanks, "<answer>1234000000000000</answer>"),    # 3 of 15
   ])
-  result = evaluation.score_generation_files([tmp_path])["sudoku_tiny_8_4"]
+  result = scoring.score_generation_files([tmp_path])["sudoku_tiny_8_4"]
   assert result.accuracy == pytest.approx(100 * 4 / 16)  # not the mean of 100% and 20%
   assert result.n == 2
 
@@ -80,19 +80,19 @@ def test_written_files_round_trip_through_every_task(tmp_path):
        "<answer>\n1234341221434321\n</answer>"),
   ]:
     _write(tmp_path, f"{name}_m_8_4_0_generations.json", [(example, completion)])
-  results = evaluation.score_generation_files([tmp_path])
+  results = scoring.score_generation_files([tmp_path])
   assert {setup: result.accuracy for setup, result in results.items()} == {
       "countdown_m_8_4": 100.0, "math500_m_8_4": 100.0, "sudoku_m_8_4": 100.0}
 
 
 def test_setup_and_task_from_file_names():
-  assert evaluation.setup_of("a/gsm8k_instruct_256_128_3_generations.json") == (
+  assert scoring.setup_of("a/gsm8k_instruct_256_128_3_generations.json") == (
       "gsm8k_instruct_256_128")
-  assert evaluation.setup_of("gsm8k_instruct_256_128_generations.json") == "gsm8k_instruct_256"
-  assert evaluation.setup_of("results.json") is None
-  assert evaluation.task_of("math500_instruct_512_256").name == "math500"
+  assert scoring.setup_of("gsm8k_instruct_256_128_generations.json") == "gsm8k_instruct_256"
+  assert scoring.setup_of("results.json") is None
+  assert scoring.task_of("math500_instruct_512_256").name == "math500"
   with pytest.raises(KeyError):
-    evaluation.task_of("chess_instruct_512_256")
+    scoring.task_of("chess_instruct_512_256")
 
 
 def test_cli_rejects_bad_input(tmp_path, capsys):
@@ -100,7 +100,7 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
   bad_name.write_text("{}")
   for argv in ([str(bad_name)], [str(tmp_path / "missing_0_generations.json")], [str(tmp_path)]):
     with pytest.raises(SystemExit) as exit_info:
-      evaluation.main(argv)
+      scoring.main(argv)
     assert exit_info.value.code == 2
   assert "error" in capsys.readouterr().err
 
@@ -110,7 +110,7 @@ def test_cli_module_prints_table_and_writes_json(tmp_path):
   _write(tmp_path, "gsm8k_tiny_8_4_0_generations.json", [(example, "\\boxed{2}")])
   output = tmp_path / "out.json"
   completed = subprocess.run(
-      [sys.executable, "-m", "stabledrl_jax.evaluation", str(tmp_path), "--output", str(output)],
+      [sys.executable, "-m", "stabledrl_jax.scoring", str(tmp_path), "--output", str(output)],
       cwd=REPO_ROOT, capture_output=True, text=True, check=True)
   assert "gsm8k_tiny_8_4" in completed.stdout and "100.00" in completed.stdout
   assert json.loads(output.read_text()) == {"gsm8k_tiny_8_4": {"accuracy": 100.0, "n": 1}}
