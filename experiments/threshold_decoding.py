@@ -5,7 +5,7 @@
 
 Loads the latest checkpoint of a run directory (or, if it has none, its supervised start
 `<workdir>/sft_model`), rebuilds the run's held-out set from its `config.json`, and decodes it
-greedily, as the trainer's evaluation does:
+greedily through the trainer's evaluation path (`training/decoding.py`):
 
   low_confidence   LLaDA's schedule with the evaluation's steps (`eval.steps`, else gen_length / 2)
   threshold tau    `remasking="threshold"`: every masked position of the block whose confidence
@@ -20,39 +20,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 
 import jax
-from flax import nnx
+import jax.numpy as jnp
 
-from stabledrl_jax import models
-from stabledrl_jax.training import checkpointing, config_lib, trainer as trainer_lib
-
-
-def load_config(workdir: str):
-  """The run's config.json over `base_config()`: fields added since the run keep their defaults."""
-  with open(os.path.join(workdir, "config.json")) as f:
-    saved = json.load(f)
-  config = config_lib.base_config()
-  config.update(saved)
-  return config
+from stabledrl_jax import tasks
+from stabledrl_jax.training import checkpoint_source, data, decoding, mesh as mesh_lib, trainer
 
 
-def trained_params(trainer: trainer_lib.Trainer, workdir: str) -> tuple[object, str]:
-  """The parameters of the run's latest checkpoint (or its supervised start) and their source."""
-  if os.path.isdir(os.path.join(workdir, "checkpoints")):
-    checkpointer = checkpointing.Checkpointer(workdir)
-    step = checkpointer.latest_step()
-    if step is not None:
-      state, _ = checkpointer.restore(step, checkpointing.abstract_like(trainer.state))
-      checkpointer.close()
-      return state.params, f"checkpoint step {step}"
-  path = os.path.join(workdir, trainer_lib.SFT_DIR)
-  if not os.path.exists(os.path.join(path, "config.json")):
-    raise FileNotFoundError(f"{workdir} has neither checkpoints nor {trainer_lib.SFT_DIR}/")
-  model = models.from_pretrained(path, mesh=trainer.mesh)
-  return nnx.split(model, nnx.Param)[1], trainer_lib.SFT_DIR
+def load_source(workdir: str) -> checkpoint_source.CheckpointSource:
+  """The run's latest checkpoint, or its supervised start if it has none."""
+  try:
+    return checkpoint_source.resolve(workdir)
+  except ValueError:
+    start = os.path.join(workdir, trainer.SFT_DIR)
+    if not os.path.isdir(start):
+      raise FileNotFoundError(f"{workdir} has neither checkpoints nor {trainer.SFT_DIR}/") from None
+    return checkpoint_source.resolve(start)
 
 
 def main():
@@ -63,33 +48,42 @@ def main():
   args = parser.parse_args()
   thresholds = [float(t) for t in args.thresholds.split(",") if t]
 
-  config = load_config(args.workdir)
-  config.sft.num_steps = 0  # The parameters come from the run; nothing is fitted here.
-  with tempfile.TemporaryDirectory() as scratch:  # The trainer writes its own files there.
-    trainer = trainer_lib.Trainer(config, scratch)
-    params, source = trained_params(trainer, args.workdir)
-    key = jax.random.key(config.seed + 1)
-    r = config.rollout
-    steps = config.eval.steps or max(r.gen_length // 2, r.gen_length // r.block_length)
-    settings = [("low_confidence", f"low_confidence, {steps} steps", {})]
-    settings += [(f"threshold_{tau}", f"threshold tau = {tau}",
-                  dict(remasking="threshold", threshold=tau)) for tau in thresholds]
-    rows = []
-    for name, label, options in settings:
-      trainer.evaluate(params, key, **options)  # Compiles; the timed call below does not.
-      start = time.perf_counter()
-      result = trainer.evaluate(params, key, **options)
-      rows.append(dict(name=name, label=label, accuracy=result["eval/accuracy"],
-                       model_calls=result["eval/model_calls"],
-                       seconds=time.perf_counter() - start, **options))
-    trainer.writer.close()
-    trainer.checkpointer.close()
-  base = rows[0]
+  source = load_source(args.workdir)
+  config = source.config
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.float32)
+  tokenizer = data.make_tokenizer(config.tokenizer)
+  task = tasks.get_task(config.task.name)
+  prompts = data.encode_examples(config, tokenizer, task, data.make_examples(config, "eval"))
+  key = jax.random.key(config.seed + 1)  # The trainer's evaluation key.
+  r = config.rollout
+  evaluate = lambda settings: decoding.metrics_of(decoding.score_batches(
+      model, tokenizer, task, prompts.examples, prompts.tokens, prompts.mask, key, settings,
+      mesh=mesh, batch_size=config.eval.batch_size, reward_scheme=config.task.reward),
+      len(prompts.examples))
+  base = decoding.Decoding.of_rollout(r, temperature=0.0, steps=config.eval.steps,
+                                      remasking="low_confidence")
+  settings = [("low_confidence", f"low_confidence, {base.steps} steps", base, {})]
+  for tau in thresholds:
+    options = dict(remasking="threshold", threshold=tau)
+    settings.append((f"threshold_{tau}", f"threshold tau = {tau}",
+                     decoding.Decoding.of_rollout(r, temperature=0.0, steps=config.eval.steps,
+                                                  **options), options))
+  rows = []
+  for name, label, setting, options in settings:
+    evaluate(setting)  # Compiles; the timed call below does not.
+    start = time.perf_counter()
+    result = evaluate(setting)
+    rows.append(dict(name=name, label=label, accuracy=result["eval/accuracy"],
+                     model_calls=result["eval/model_calls"],
+                     seconds=time.perf_counter() - start, **options))
+  first = rows[0]
   for row in rows:
-    row["calls_vs_low_confidence"] = row["model_calls"] / base["model_calls"]
-    row["accuracy_vs_low_confidence"] = row["accuracy"] - base["accuracy"]
+    row["calls_vs_low_confidence"] = row["model_calls"] / first["model_calls"]
+    row["accuracy_vs_low_confidence"] = row["accuracy"] - first["accuracy"]
 
-  print(f"{args.workdir} ({source}): {len(trainer.eval_prompts.examples)} held-out prompts, "
+  origin = f"checkpoint step {source.step}" if source.step is not None else trainer.SFT_DIR
+  print(f"{args.workdir} ({origin}): {len(prompts.examples)} held-out prompts, "
         f"gen_length {r.gen_length}, block_length {r.block_length}, greedy\n")
   print("| decoding | accuracy % | model calls / sequence | calls vs low_confidence | "
         "eval seconds |")
@@ -99,7 +93,7 @@ def main():
           f"{row['calls_vs_low_confidence']:.2f}x | {row['seconds']:.2f} |")
   if args.output:
     with open(args.output, "w") as f:
-      json.dump(dict(workdir=args.workdir, source=source, eval_steps=steps, rows=rows), f,
+      json.dump(dict(workdir=args.workdir, source=origin, eval_steps=base.steps, rows=rows), f,
                 indent=2)
     print(f"\nwrote {args.output}")
 

@@ -41,9 +41,9 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import models, sampling, scoring, tasks
-from stabledrl_jax.training import checkpoint_source, config_lib, data, mesh as mesh_lib
-from stabledrl_jax.training import multihost
+from stabledrl_jax import models, scoring, tasks
+from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
+from stabledrl_jax.training import mesh as mesh_lib, multihost
 
 D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
 # The d1 test sets (docs/tasks.md) that are files; gsm8k and math500 come from the Hub.
@@ -52,33 +52,8 @@ D1_ASSISTANT_PREFIX = "<reasoning>"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9.-]+")
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplerSettings:
-  """One decoding setup of `sampling.generate`; `d1(gen_length)` gives d1's."""
-
-  gen_length: int
-  steps: int
-  block_length: int = 32
-  temperature: float = 0.0
-  remasking: str = "low_confidence"
-  threshold: float = 0.9
-  cfg_scale: float = 0.0
-
-  @classmethod
-  def d1(cls, gen_length: int, *, steps: int = 0, **overrides) -> "SamplerSettings":
-    """d1's protocol: steps = gen_length / 2 unless `steps` is given, blocks of 32, greedy."""
-    return cls(gen_length, steps or gen_length // 2, **overrides)
-
-  def check(self) -> None:
-    """Raises ValueError unless the sampler accepts these settings."""
-    sampling.check_settings(**dataclasses.asdict(self))
-
-  def describe(self) -> dict[str, Any]:
-    """The settings a generation file records; tau only where the remasking rule uses it."""
-    out = dataclasses.asdict(self)
-    if self.remasking != "threshold":
-      del out["threshold"]
-    return out
+# The sampler settings of one decoding setup (d1's: `SamplerSettings.d1(gen_length)`).
+SamplerSettings = decoding.Decoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,35 +167,25 @@ def shard_ids(num_examples: int, shard_size: int, process_index: int = 0,
 def sample_completions(model: models.LLaDA, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
                        settings: SamplerSettings, *, mesh: jax.sharding.Mesh, batch_size: int,
                        key: jax.Array, progress: tqdm.tqdm | None = None) -> np.ndarray:
-  """Completions of every prompt, decoded in batches split over the mesh: [N, G] int32 numpy.
+  """Completions of every prompt, decoded in batches split over this process's ``mesh``
+  (``decoding.generate_batches``, the path every evaluation shares): [N, G] int32 numpy.
 
   Args:
-    model: a LLaDA model (parameters placed on `mesh`).
+    model: a model of any family (parameters placed on `mesh`).
     prompt_tokens: [N, P] left-padded prompts.
     prompt_mask: [N, P] bool, True for real prompt tokens.
-    settings: the sampler's options.
-    mesh: the (data, fsdp, tensor) mesh; each batch is split over data x fsdp.
-    batch_size: rows per sampler call. A batch that does not split evenly over data x fsdp is
-      padded with copies of its last row, and the padding is dropped after.
+    settings: the sampler's options; decoding stops once every row of a block has ended.
+    mesh: the (data, fsdp, tensor) mesh of this process's devices.
+    batch_size: rows per sampler call, padded to a multiple of data x fsdp.
     key: PRNG key; batch b draws from fold_in(key, b).
     progress: optional tqdm bar, advanced by the real rows of each batch.
 
   Returns:
     [N, G] completion tokens; every token after a row's first EOS is EOS.
   """
-  sharding = models.batch_sharding(mesh)
-  ways = mesh_lib.data_parallel_size(mesh)
-  completions = []
-  for batch, start in enumerate(range(0, len(prompt_tokens), batch_size)):
-    (tokens, mask), real = mesh_lib.pad_rows(
-        [prompt_tokens[start:start + batch_size], prompt_mask[start:start + batch_size]], ways)
-    out = sampling.generate(
-        model, jax.device_put(tokens, sharding), prompt_mask=jax.device_put(mask, sharding),
-        key=jax.random.fold_in(key, batch), stop_at_eos=True, **dataclasses.asdict(settings))
-    completions.append(np.asarray(out)[:real, tokens.shape[1]:])
-    if progress is not None:
-      progress.update(real)
-  return np.concatenate(completions)
+  settings = dataclasses.replace(settings, stop_at_eos=True)
+  return decoding.generate_batches(model, prompt_tokens, prompt_mask, key, settings, mesh=mesh,
+                                   batch_size=batch_size, progress=progress).completions
 
 
 def _check_sizes(batch_size: int, shard_size: int) -> None:

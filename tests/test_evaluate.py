@@ -16,6 +16,7 @@ from flax import nnx
 
 from stabledrl_jax import evaluate, models, scoring, tasks, tokenizers
 from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, trainer
+from stabledrl_jax.training import decoding
 from test_training import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -184,7 +185,7 @@ class Interrupted(Exception):
 def _counting_generate(monkeypatch, fail_at=None):
   """Counts sampler calls; the call numbered `fail_at` raises, as a killed run would stop."""
   calls = []
-  real = evaluate.sampling.generate
+  real = decoding.generate
 
   def generate(*args, **kwargs):
     calls.append(1)
@@ -192,7 +193,7 @@ def _counting_generate(monkeypatch, fail_at=None):
       raise Interrupted
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(evaluate.sampling, "generate", generate)
+  monkeypatch.setattr(decoding, "generate", generate)
   return calls
 
 

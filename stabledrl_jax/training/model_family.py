@@ -7,7 +7,7 @@
 * ``block_size``: None for LLaDA (full attention), the model's block size for SDAR;
 * ``likelihood_fn``: the model as the estimators see it: tokens [B * R, L] -> logits for LLaDA
   (``estimators.py``), the staircase function for SDAR (``block_estimators.py``);
-* ``generate``: ``sampling.generate`` over ``rollout.block_length`` blocks (LLaDA),
+* ``generate``: ``sampling.generate`` over ``block_length`` blocks (LLaDA),
   ``block_sampling.generate`` over the model's blocks with a KV cache (SDAR).
 
 The likelihood estimates dispatch on ``LikelihoodSpec.block_size`` in ``rl_loss.estimate``
@@ -75,12 +75,14 @@ def _sdar_likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Arra
 
 
 def _llada_generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-                    rollout: ml_collections.ConfigDict, temperature: float, steps: int,
-                    remasking: str, threshold: float) -> tuple[Array, Array]:
+                    gen_length: int, steps: int, block_length: int, temperature: float,
+                    remasking: str, threshold: float, cfg_scale: float,
+                    stop_at_eos: bool) -> tuple[Array, Array]:
   tokens, stats = sampling.generate(
-      model, prompt_tokens, key=key, gen_length=rollout.gen_length, steps=steps,
-      block_length=rollout.block_length, temperature=temperature, remasking=remasking,
-      threshold=threshold, prompt_mask=prompt_mask, return_stats=True)
+      model, prompt_tokens, key=key, gen_length=gen_length, steps=steps,
+      block_length=block_length, temperature=temperature, remasking=remasking,
+      threshold=threshold, cfg_scale=cfg_scale, prompt_mask=prompt_mask,
+      stop_at_eos=stop_at_eos, return_stats=True)
   return tokens, stats["model_calls"]
 
 
@@ -94,13 +96,21 @@ _SDAR_REMASKING = {
 
 
 def _sdar_generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-                   rollout: ml_collections.ConfigDict, temperature: float, steps: int,
-                   remasking: str, threshold: float) -> tuple[Array, Array]:
-  # `steps` counts denoising steps over the whole completion, as for LLaDA; the block sampler
-  # takes them per block (at most: the dynamic rule and finished rows stop early).
-  num_blocks = rollout.gen_length // model.config.block_size
+                   gen_length: int, steps: int, block_length: int, temperature: float,
+                   remasking: str, threshold: float, cfg_scale: float,
+                   stop_at_eos: bool) -> tuple[Array, Array]:
+  # SDAR decodes by its model's blocks (block_length does not apply) and stops finished rows on
+  # its own; `steps` counts denoising steps over the whole completion, as for LLaDA, and the
+  # block sampler takes them per block (at most: the dynamic rule and finished rows stop early).
+  del block_length, stop_at_eos
+  if cfg_scale:
+    raise ValueError(f"classifier-free guidance (cfg_scale={cfg_scale}) is LLaDA's; SDAR's "
+                     "sampler has none")
+  if remasking not in _SDAR_REMASKING:
+    raise ValueError(f"remasking {remasking!r} is not one of SDAR's {tuple(_SDAR_REMASKING)}")
+  num_blocks = gen_length // model.config.block_size
   tokens, stats = block_sampling.generate(
-      model, prompt_tokens, key=key, gen_length=rollout.gen_length,
+      model, prompt_tokens, key=key, gen_length=gen_length,
       steps=-(-steps // num_blocks), temperature=temperature,
       remasking=_SDAR_REMASKING[remasking], threshold=threshold, prompt_mask=prompt_mask,
       return_stats=True)
@@ -121,8 +131,9 @@ class Family:
     remasking: the ``rollout.remasking`` values this family's sampler takes.
     block_size: model config -> its block size (None: full attention, no fixed blocks).
     likelihood_fn: (model, attention_mask [B, L]) -> the model as the estimator sees it.
-    generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, rollout,
-      temperature, steps, remasking, threshold) -> (tokens [B, P + G], model calls [B]).
+    generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, gen_length, steps,
+      block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos)
+      -> (tokens [B, P + G], model calls [B]).
     stop_ids: model config -> the tokens that end a completion (its first EOS or any of them).
   """
 
@@ -193,21 +204,21 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
 
 
 def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-             rollout: ml_collections.ConfigDict, temperature: float, steps: int,
-             remasking: str | None = None,
-             threshold: float | None = None) -> tuple[Array, Array]:
+             gen_length: int, steps: int, block_length: int, temperature: float,
+             remasking: str, threshold: float, cfg_scale: float = 0.0,
+             stop_at_eos: bool = False) -> tuple[Array, Array]:
   """Completions of left-padded prompts [B, P] by the model's sampler.
 
-  ``steps`` denoising steps over the completion of ``rollout.gen_length`` tokens (at most, for
-  threshold rules); ``remasking`` and ``threshold`` default to ``rollout``'s.
+  ``steps`` denoising steps over the completion of ``gen_length`` tokens (at most, for
+  threshold rules); ``training/decoding.Decoding`` documents the rest.
 
   Returns:
     tokens [B, P + G] and the model calls each sequence needed [B] int32.
   """
   return of(model).generate(
-      model, prompt_tokens, prompt_mask, key, rollout=rollout, temperature=temperature,
-      steps=steps, remasking=rollout.remasking if remasking is None else remasking,
-      threshold=rollout.threshold if threshold is None else threshold)
+      model, prompt_tokens, prompt_mask, key, gen_length=gen_length, steps=steps,
+      block_length=block_length, temperature=temperature, remasking=remasking,
+      threshold=threshold, cfg_scale=cfg_scale, stop_at_eos=stop_at_eos)
 
 
 def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -152,7 +152,7 @@ def row_split(sharding: jax.sharding.Sharding, num_rows: int) -> RowSplit:
                   for s, *_ in indices.values()})
   rows = np.unique(np.concatenate([np.arange(lo, hi) for lo, hi in spans]))
   primary = True
-  if jax.process_count() > 1:
+  if not sharding.is_fully_addressable:  # A mesh over several processes: all call this.
     first = multihost_utils.process_allgather(rows[:1].astype(np.int32)).reshape(-1)
     primary = int(np.flatnonzero(first == rows[0])[0]) == jax.process_index()
   return RowSplit(rows, num_rows, primary)

@@ -48,7 +48,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stabledrl_jax import estimators, losses, models, sampling, tasks
-from stabledrl_jax.training import checkpointing, data, mesh as mesh_lib
+from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, model_family, multihost
 from stabledrl_jax.training import optimizer as optimizer_lib
@@ -315,7 +315,8 @@ class Trainer:
   def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
                temperature: float, steps: int, *, num_rows: int | None = None,
                **options) -> tuple[np.ndarray, np.ndarray]:
-    """Completions [B, P + G] and the model calls each needed [B], of this process's rows.
+    """Rollouts: completions [B, P + G] and the model calls each needed [B], of this process's
+    rows.
 
     ``prompt_tokens`` and ``prompt_mask`` [B, P] are this process's rows (``row_split``) of a
     batch of ``num_rows`` (default B: one process). ``options`` (remasking, threshold) override
@@ -325,10 +326,10 @@ class Trainer:
     split = self._split(num_rows)
     tokens, mask = multihost.to_global((prompt_tokens, prompt_mask), self.batch_sharding,
                                        num_rows)
+    settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=temperature,
+                                            steps=steps, **options)
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # The model's constraints.
-      tokens, calls = model_family.generate(
-          self._model(params), tokens, mask, key, rollout=self.config.rollout,
-          temperature=temperature, steps=steps, **options)
+      tokens, calls = decoding.generate(self._model(params), tokens, mask, key, settings)
     return multihost.local_rows(tokens, split), multihost.local_rows(calls, split)
 
   def _split(self, num_rows: int) -> multihost.RowSplit:
@@ -362,38 +363,22 @@ class Trainer:
     return tokens.shape if self.spec.token_level else tokens.shape[:1]
 
   def evaluate(self, params, key, **options) -> dict[str, float]:
-    """Greedy decoding on the held-out prompts: the task's metric, in percent, and the mean model
-    calls per sequence. `options` override the rollout's remasking / threshold.
+    """Greedy decoding of the held-out prompts (``decoding.generate_batches``, the path every
+    evaluation shares): the task's metric, in percent, the mean reward and the mean model calls
+    per sequence. ``options`` override the rollout's remasking / threshold.
 
     Each process decodes and scores its rows of every batch; the totals are summed over the
     processes."""
-    prompts, r = self.eval_prompts, self.config.rollout
-    steps = self.config.eval.steps or max(r.gen_length // 2, r.gen_length // r.block_length)
-    totals = np.zeros(4)  # correct, total, reward, model calls
-    size = self.config.eval.batch_size
-    for start in range(0, len(prompts.examples), size):
-      # Static shapes over the mesh: pad the last batch, drop the padding after.
-      (tokens, mask), real = mesh_lib.pad_rows(
-          [prompts.tokens[start:start + size], prompts.mask[start:start + size]],
-          mesh_lib.data_parallel_size(self.mesh))
-      split = self._split(len(tokens))
-      out, row_calls = self.generate(params, tokens[split.rows], mask[split.rows], key,
-                                     temperature=0.0, steps=steps, num_rows=len(tokens),
-                                     **options)
-      keep = split.rows < real
-      texts = data.decode_completions(self.tokenizer, out[keep, r.prompt_length:])
-      batch_totals = np.zeros(4)
-      batch_totals[3] = float(row_calls[keep].sum())
-      for text, row in zip(texts, split.rows[keep]):
-        example = prompts.examples[start + int(row)]
-        score = self.task.score(text, example)
-        batch_totals[:3] += (score.correct, score.total,
-                             self.task.reward(text, example, self.config.task.reward))
-      totals += multihost.sum_over_rows(batch_totals, split)
-    correct, total, reward, calls = totals
-    return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
-            "eval/reward_mean": reward / len(prompts.examples),
-            "eval/model_calls": calls / len(prompts.examples)}
+    prompts = self.eval_prompts
+    settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=0.0,
+                                            steps=self.config.eval.steps, **options)
+    totals = decoding.score_batches(
+        self._model(params), self.tokenizer, self.task, prompts.examples, prompts.tokens,
+        prompts.mask, key, settings, mesh=self.mesh, batch_size=self.config.eval.batch_size,
+        reward_scheme=self.config.task.reward)
+    # Whether this process's rows count is a property of the mesh: the rollout split's.
+    return decoding.metrics_of(multihost.sum_over_rows(totals, self.rollout_split),
+                               len(prompts.examples))
 
   def rl_step(self, step: int) -> dict[str, Any]:
     config, r, split = self.config, self.config.rollout, self.rollout_split

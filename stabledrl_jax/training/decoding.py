@@ -1,0 +1,180 @@
+"""Decoding held-out prompts in batches over a mesh: the one path of every evaluation.
+
+The trainer's periodic evaluation, ``python -m stabledrl_jax.evaluate`` and
+``experiments/threshold_decoding.py`` all decode through ``generate_batches``: prompts in
+batches of ``batch_size``, each padded to a multiple of the mesh's data-parallel size (copies of
+its last row, dropped after), split over the mesh, decoded by the model family's sampler
+(``model_family.generate``), with the batch's noise drawn from ``fold_in(key, batch)``. On a
+mesh that spans several processes each process decodes, and gets back, only its own rows.
+
+``Decoding`` holds the sampler options with one set of defaults; ``steps=0`` means
+``default_steps``: d1's gen_length / 2, or one step per block if blocks are longer than 2 tokens
+short of that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+
+from stabledrl_jax import models
+from stabledrl_jax.training import mesh as mesh_lib, model_family, multihost
+
+
+def default_steps(gen_length: int, block_length: int) -> int:
+  """Denoising steps when none are given: gen_length / 2 (d1's protocol), at least one per
+  block."""
+  return max(gen_length // 2, gen_length // block_length, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+  """One decoding setup of the samplers (``model_family.generate``).
+
+  Attributes:
+    gen_length: completion tokens G.
+    steps: denoising steps over the completion (0: ``default_steps``).
+    block_length: LLaDA's semi-autoregressive blocks (SDAR decodes by its model's blocks).
+    temperature: 0 for greedy.
+    remasking: the family's rule (``rollout.remasking``'s values).
+    threshold: tau of the threshold rules.
+    cfg_scale: classifier-free guidance (LLaDA only; 0: off).
+    stop_at_eos: LLaDA: stop once every row has a stop token, and fill after it with EOS (the
+      text up to the first stop token is the same either way).
+  """
+
+  gen_length: int
+  steps: int = 0
+  block_length: int = 32
+  temperature: float = 0.0
+  remasking: str = "low_confidence"
+  threshold: float = 0.9
+  cfg_scale: float = 0.0
+  stop_at_eos: bool = False
+
+  def __post_init__(self):
+    if not self.steps:
+      object.__setattr__(self, "steps", default_steps(self.gen_length, self.block_length))
+
+  @classmethod
+  def d1(cls, gen_length: int, *, steps: int = 0, **overrides) -> "Decoding":
+    """d1's protocol: steps = gen_length / 2 unless `steps` is given, blocks of 32, greedy."""
+    return cls(gen_length, steps, **overrides)
+
+  @classmethod
+  def of_rollout(cls, rollout: Any, *, temperature: float, steps: int = 0,
+                 **overrides) -> "Decoding":
+    """The rollout config's sampler settings (``config.rollout``), at ``temperature``."""
+    fields = dict(gen_length=rollout.gen_length, steps=steps, block_length=rollout.block_length,
+                  temperature=temperature, remasking=rollout.remasking,
+                  threshold=rollout.threshold)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**fields)
+
+  def check(self) -> None:
+    """Raises ValueError unless LLaDA's sampler accepts these settings (cheap)."""
+    from stabledrl_jax import sampling  # pylint: disable=g-import-not-at-top
+    settings = dataclasses.asdict(self)
+    del settings["stop_at_eos"]
+    sampling.check_settings(**settings)
+
+  def describe(self) -> dict[str, Any]:
+    """The settings a generation file records; tau only where the remasking rule uses it."""
+    out = dataclasses.asdict(self)
+    del out["stop_at_eos"]
+    if "threshold" not in self.remasking and "dynamic" not in self.remasking:
+      del out["threshold"]
+    return out
+
+
+def generate(model: Any, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+             decoding: Decoding) -> tuple[jax.Array, jax.Array]:
+  """Completions of left-padded prompts [B, P] by the model's sampler: tokens [B, P + G] and the
+  model calls each row needed [B]."""
+  return model_family.generate(model, prompt_tokens, prompt_mask, key, **dataclasses.asdict(
+      decoding))
+
+
+@dataclasses.dataclass
+class Decoded:
+  """What ``generate_batches`` decoded on this process.
+
+  Attributes:
+    rows: indices into the prompts of the rows this process holds, in order [n].
+    completions: their completion tokens [n, G] int32 (every token after a stop token is a
+      stop token only as far as the sampler made it so).
+    model_calls: the model calls each needed [n].
+  """
+
+  rows: np.ndarray
+  completions: np.ndarray
+  model_calls: np.ndarray
+
+
+def generate_batches(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                     key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
+                     batch_size: int, progress: tqdm.tqdm | None = None) -> Decoded:
+  """Decodes every prompt [N, P] in batches of ``batch_size`` split over ``mesh``.
+
+  ``mesh`` may span several processes (the trainer's): then every process passes the same
+  prompts and decodes its own rows of each batch. A mesh of this process's devices decodes all.
+  Batch b draws its noise from ``fold_in(key, b)``.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch size must be >= 1, got {batch_size}")
+  rows_sharding = models.batch_sharding(mesh, ndim=1)
+  ways = mesh_lib.data_parallel_size(mesh)
+  rows, completions, calls = [], [], []
+  prompt_length = prompt_tokens.shape[1]
+  for batch, start in enumerate(range(0, len(prompt_tokens), batch_size)):
+    (tokens, mask), real = mesh_lib.pad_rows(
+        [prompt_tokens[start:start + batch_size], prompt_mask[start:start + batch_size]], ways)
+    split = multihost.row_split(rows_sharding, len(tokens))
+    tokens_in, mask_in = multihost.to_global((tokens[split.rows], mask[split.rows]),
+                                             rows_sharding, len(tokens))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # The model's constraints.
+      out, out_calls = generate(model, tokens_in, mask_in, jax.random.fold_in(key, batch),
+                                decoding)
+    keep = split.rows < real
+    rows.append(start + split.rows[keep])
+    completions.append(multihost.local_rows(out, split)[keep, prompt_length:])
+    calls.append(multihost.local_rows(out_calls, split)[keep])
+    if progress is not None:
+      progress.update(real)
+  if not rows:
+    return Decoded(np.zeros(0, int), np.zeros((0, decoding.gen_length), np.int32),
+                   np.zeros(0, np.int32))
+  return Decoded(np.concatenate(rows), np.concatenate(completions), np.concatenate(calls))
+
+
+def score_batches(model: Any, tokenizer, task: Any, examples: Any, prompt_tokens: np.ndarray,
+                  prompt_mask: np.ndarray, key: jax.Array, decoding: Decoding, *,
+                  mesh: jax.sharding.Mesh, batch_size: int,
+                  reward_scheme: str) -> np.ndarray:
+  """``generate_batches``, then each decoded row scored by its task: this process's totals
+  [4] float64 of (metric's correct, metric's total, reward, model calls). The trainer sums them
+  over the processes (``multihost.sum_over_rows``)."""
+  from stabledrl_jax.training import data  # pylint: disable=g-import-not-at-top
+  decoded = generate_batches(model, prompt_tokens, prompt_mask, key, decoding, mesh=mesh,
+                             batch_size=batch_size)
+  texts = data.decode_completions(tokenizer, decoded.completions)
+  totals = np.zeros(4)
+  totals[3] = float(decoded.model_calls.sum())
+  for text, row in zip(texts, decoded.rows):
+    example = examples[int(row)]
+    score = task.score(text, example)
+    totals[:3] += (score.correct, score.total, task.reward(text, example, reward_scheme))
+  return totals
+
+
+def metrics_of(totals: np.ndarray, num_examples: int) -> dict[str, float]:
+  """The evaluation metrics of summed ``score_batches`` totals: the task's metric in percent,
+  the mean reward and the mean model calls per sequence."""
+  correct, total, reward, calls = totals
+  return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
+          "eval/reward_mean": reward / num_examples,
+          "eval/model_calls": calls / num_examples}
