@@ -43,7 +43,7 @@ from absl import app, flags, logging
 
 from stabledrl_jax import models, scoring, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
-from stabledrl_jax.training import mesh as mesh_lib, multihost
+from stabledrl_jax.training import mesh as mesh_lib, model_family, multihost
 
 D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
 # The d1 test sets (docs/tasks.md) that are files; gsm8k and math500 come from the Hub.
@@ -133,6 +133,30 @@ def styled_prompts(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example
   return data.encode_prompts(tokenizer, texts, style.length or None)
 
 
+def block_aligned(style: PromptStyle, tokenizer, task: tasks.Task,
+                  examples: Sequence[tasks.Example], block_size: int | None,
+                  settings: Sequence[SamplerSettings]) -> PromptStyle:
+  """``style`` with a prompt length that fills whole blocks of a block diffusion model (SDAR's
+  blocks are fixed by absolute position); unchanged for full attention.
+
+  Raises:
+    ValueError: ``--prompt_length`` or a generation length is not a multiple of the block size.
+  """
+  if not block_size:
+    return style
+  for setting in settings:
+    if setting.gen_length % block_size:
+      raise ValueError(f"generation length {setting.gen_length} is not a multiple of the "
+                       f"model's block size {block_size}")
+  if style.length:
+    if style.length % block_size:
+      raise ValueError(f"--prompt_length={style.length} is not a multiple of the model's block "
+                       f"size {block_size}")
+    return style
+  width = styled_prompts(tokenizer, task, examples, style)[0].shape[1]
+  return dataclasses.replace(style, length=-(-width // block_size) * block_size)
+
+
 def model_name_of(name: str) -> str:
   """`name` as the MODEL field of a file name: runs of characters other than letters, digits, '.'
   and '-' become '-', so that the name's fields split on '_' unambiguously."""
@@ -164,7 +188,7 @@ def shard_ids(num_examples: int, shard_size: int, process_index: int = 0,
 # ---------------------------------------------------------------------------
 
 
-def sample_completions(model: models.LLaDA, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+def sample_completions(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
                        settings: SamplerSettings, *, mesh: jax.sharding.Mesh, batch_size: int,
                        key: jax.Array, progress: tqdm.tqdm | None = None) -> np.ndarray:
   """Completions of every prompt, decoded in batches split over this process's ``mesh``
@@ -207,7 +231,7 @@ def _check_finished(path: pathlib.Path, header: dict[str, Any],
                      "another output directory or under another model name")
 
 
-def generate_shards(model: models.LLaDA, tokenizer, task: tasks.Task,
+def generate_shards(model: Any, tokenizer, task: tasks.Task,
                     examples: Sequence[tasks.Example], settings: SamplerSettings, *,
                     output_dir: str | os.PathLike, model_name: str, mesh: jax.sharding.Mesh,
                     key: jax.Array, style: PromptStyle = PromptStyle(), batch_size: int = 64,
@@ -390,10 +414,13 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
       source.checkpoint_path if source.kind == checkpoint_source.WORKDIR else "")}
   key = jax.random.key(options.seed)
   for name in names:
+    task_style = block_aligned(style, tokenizer, tasks.get_task(name), test_sets[name],
+                               model_family.block_size(model.config), settings)
     for setting in settings:
       generate_shards(model, tokenizer, tasks.get_task(name), test_sets[name], setting,
                       output_dir=options.output_dir, model_name=model_name, mesh=mesh, key=key,
-                      style=style, batch_size=options.batch_size, shard_size=options.shard_size,
+                      style=task_style, batch_size=options.batch_size,
+                      shard_size=options.shard_size,
                       process_index=jax.process_index(), process_count=jax.process_count(),
                       metadata=metadata)
   multihost.sync("stabledrl_jax.evaluate: all shards written")

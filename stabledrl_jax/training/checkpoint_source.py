@@ -7,7 +7,7 @@ Two kinds of path:
   come from its ``config.json``. Only the parameters are read (not the optimizer state), and the
   workdir is opened read-only, so training can go on beside an evaluation.
 - a Hugging Face checkpoint directory (``config.json`` and ``model.safetensors`` or its index),
-  read by ``models.from_pretrained``. Its tokenizer is its ``tokenizer.json`` or, for the
+  read by ``models.from_pretrained``, of either model family (LLaDA or SDAR). Its tokenizer is its ``tokenizer.json`` or, for the
   supervised start ``<workdir>/sft_model``, the tokenizer of the enclosing workdir.
 
 Either way each parameter is created directly in its shards over the mesh.
@@ -159,11 +159,11 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
     if config is not None:
       return data.make_tokenizer(config.tokenizer)
     if os.path.isfile(spec) or os.path.isfile(os.path.join(spec, "tokenizer.json")):
-      return tokenizers.HFTokenizer.llada(spec)
+      return _hf_tokenizer(spec, source)
     raise ValueError(f"tokenizer {spec!r} is not 'char', a tokenizer.json (or a directory "
                      "holding one), nor a training workdir or its config.json")
   if source.kind == HUGGING_FACE and os.path.isfile(os.path.join(source.path, "tokenizer.json")):
-    return tokenizers.HFTokenizer.llada(source.path)
+    return _hf_tokenizer(source.path, source)
   if source.config is not None:
     if source.config.tokenizer.kind == "llada" and not os.path.exists(
         source.config.tokenizer.path):
@@ -174,7 +174,19 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
                    "name the tokenizer explicitly ('char', a tokenizer.json or a workdir)")
 
 
-def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> models.ModelConfig:
+def _hf_tokenizer(path: str, source: CheckpointSource):
+  """A tokenizer.json with the conventions (chat template, special tokens) of the checkpoint's
+  model family: SDAR's for an SDAR checkpoint, else LLaDA's."""
+  family = "llada"
+  if source.kind == HUGGING_FACE:
+    family = model_family.of(models.load_config(source.path)).name
+  elif source.config is not None:
+    family = source.config.model.family
+  return tokenizers.HFTokenizer.sdar(path) if family == "sdar" else tokenizers.HFTokenizer.llada(
+      path)
+
+
+def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
     if not os.path.isfile(os.path.join(config.model.checkpoint, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
@@ -184,24 +196,13 @@ def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> mode
                              param_dtype=dtype, remat=False)
 
 
-def _require_llada(config: Any, path: str) -> None:
-  if not isinstance(config, models.ModelConfig):
-    raise NotImplementedError(f"{path} holds a {type(config).__name__} model; only LLaDA "
-                              "(full-attention) models have a sampler wired in here")
-
-
-def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> models.LLaDA:
-  """The LLaDA model of ``source`` in ``dtype`` (parameters and compute), sharded over ``mesh``.
-
-  Raises:
-    NotImplementedError: the checkpoint holds another architecture (SDAR).
-  """
+def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> Any:
+  """The model of ``source`` (LLaDA or SDAR, ``model_family``) in ``dtype`` (parameters and
+  compute), sharded over ``mesh``."""
   if source.kind == HUGGING_FACE:
-    _require_llada(models.load_config(source.path), source.path)
     return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)
   model_config = _workdir_model_config(source.config, dtype)
-  _require_llada(model_config, source.path)
-  abstract = nnx.eval_shape(lambda: models.LLaDA(model_config, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: models.init_model(model_config, seed=0))
   graphdef, params = nnx.split(abstract, nnx.Param)
   target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                  sharding=sharding),
@@ -214,7 +215,7 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
   return nnx.merge(graphdef, params)
 
 
-def check_tokenizer(model_config: models.ModelConfig, tokenizer) -> None:
+def check_tokenizer(model_config: Any, tokenizer) -> None:
   """Raises ValueError when the tokenizer's mask or EOS id, or its vocabulary, is not the model's:
   the sampler would then reveal tokens the tokenizer cannot read."""
   mismatches = []
