@@ -5,7 +5,7 @@ r"""Objective comparison (experiments/compare_objectives.py) at quickstart scale
 
 The quickstart's tiny model, task and supervised start, with 60 RL steps per objective (greedy
 eval every 20) so that 6 objectives x 3 seeds fit in well under an hour on 2 CPU cores.
-``experiments/compare_objectives.py`` sets the objective (``sweep.OBJECTIVE_VARIANTS``) and seed.
+``experiments/compare_objectives.py`` sets the objective (``sweep.objective_variants()``) and seed.
 """
 
 import pathlib

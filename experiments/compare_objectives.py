@@ -4,7 +4,7 @@ r"""Every objective under normal conditions: reward, eval accuracy and time per 
       --workdir runs/compare --seeds 0,1,2
 
 For each seed, fits one supervised start (``<workdir>/seed<S>/sft``) and trains every objective
-of ``sweep.OBJECTIVE_VARIANTS`` from it with that seed. Writes ``<workdir>/comparison.json``:
+of ``sweep.objective_variants()`` from it with that seed. Writes ``<workdir>/comparison.json``:
 
   {"<objective>": {"eval_start", "eval_final", "eval_final_std", "eval_best", "reward_final",
                    "step_s", "seeds": {"<seed>": {"eval": {step: accuracy}, "reward": [...],
@@ -32,7 +32,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_objectives.
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each gets its own start.")
 _OBJECTIVES = flags.DEFINE_list("objectives", None,
-                                "Objectives to run (default: all of sweep.OBJECTIVE_VARIANTS).")
+                                "Objectives to run (default: all of sweep.objective_variants()).")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "Train nothing: summarize the finished runs in --workdir (e.g. "
     "those of an interrupted comparison).")
@@ -131,7 +131,7 @@ def main(argv) -> None:
         except FileNotFoundError:
           continue
       else:
-        config = sweep.with_overrides(seeded, sweep.OBJECTIVE_VARIANTS[name])
+        config = sweep.with_overrides(seeded, sweep.objective_variants()[name])
         result = sweep.train_from_start(config, start, run_dir)
         print(f"seed {seed} {name}: {result.wall_s:.0f} s {result.stopped}", flush=True)
       per_objective[name][str(seed)] = run_summary(result)

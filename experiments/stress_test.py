@@ -51,7 +51,7 @@ _EXPLOSION_FACTOR = flags.DEFINE_float(
 _FINAL_STEPS = flags.DEFINE_integer("final_steps", 5,
                                     "final_reward averages the last this many steps.")
 _OBJECTIVES = flags.DEFINE_list("objectives", None,
-                                "Objectives to run (default: all of sweep.OBJECTIVE_VARIANTS).")
+                                "Objectives to run (default: all of sweep.objective_variants()).")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "Train nothing: summarize the runs already in --workdir (e.g. "
     "with another --explosion_factor or --final_steps).")
@@ -137,7 +137,7 @@ def run_all(base, workdir: str, names: list[str]) -> dict:
   results = {}
   for name in names:
     for condition in CONDITIONS:
-      overrides = dict(sweep.OBJECTIVE_VARIANTS[name])
+      overrides = dict(sweep.objective_variants()[name])
       overrides["estimator.stress.fraction"] = _FRACTION.value if condition == "stress" else 0.0
       if name == "stabledrl":
         overrides["train.gradient_bound"] = True

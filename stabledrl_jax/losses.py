@@ -20,13 +20,14 @@ The weights are a convex combination within each group, so the gradient is
 bounded by ``max_j |A_j| * ||grad s_j||`` whatever the ratio estimates are.
 
 Objectives are registered by name (``get_objective("stabledrl")``) with a
-uniform calling convention on :class:`ObjectiveInputs`; see the README section
-"Objectives" for how to add one.
+uniform calling convention on :class:`ObjectiveInputs`; one ``register_objective`` carries
+everything the trainer needs (docs/algorithms.md, "Adding an objective").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable
 
@@ -520,29 +521,77 @@ class ObjectiveInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """A registered objective, with the settings of its official code (docs/algorithms.md).
+  """A registered objective: everything the trainer needs to know about it, in one place.
 
   Attributes:
-    name: config name.
-    fn: ``fn(inputs, *, group_size, **hparams) -> (loss, metrics)``.
+    name: config name (``--config.objective.name``).
+    fn: ``fn(inputs, *, group_size, **kwargs) -> (loss, metrics)``; ``kwargs`` are the fields
+      of ``hparams`` that ``fn`` takes, plus the run settings named in ``context``.
+    hparams: a frozen dataclass of its hyperparameters, defaulting to its official code's
+      (docs/algorithms.md). ``config.objective.<name>.<field>`` overrides a field; a
+      ``check()`` method, if any, raises ValueError("<field>: <why>") for a bad value.
     requires: names of ``ObjectiveInputs`` fields that must be set.
     normalize: the likelihood normalization it expects, 'sum' or 'mean'.
-    estimator: ``estimator(hparams) -> dict``, the official likelihood settings for these
-      hyperparameters: ``method`` (an ``estimators.MASK_SAMPLERS`` name), ``num_samples``,
-      ``coupled_ratio`` (l_old on each inner iteration's own masks) and mask-sampler options
-      (``prompt_mask_prob``, ``schedule``, ``coupled``). A config field left unset takes these.
+    estimator: ``estimator(hparams) -> dict``, the official likelihood settings: ``method`` (an
+      ``estimators.MASK_SAMPLERS`` name), ``num_samples``, ``coupled_ratio`` (l_old on each
+      inner iteration's own masks) and mask-sampler options. A config field left unset takes
+      these.
     baseline: the advantage baseline of its official code (``ADVANTAGE_BASELINES``).
-    uses_reference: ``uses_reference(hparams) -> bool``, whether it needs log-likelihoods under a
-      frozen reference policy (a KL term).
+    uses_reference: ``uses_reference(hparams) -> bool``: needs a frozen reference (a KL term).
+    token_level: ``token_level(hparams) -> bool``: per-token log-probs [N, T] instead of [N].
+    eubo_beta: ``eubo_beta(hparams) -> float | None``: SPG's EUBO_beta from the same pass.
+    surrogate: ``surrogate(inputs, hparams) -> [N]``, the log-likelihood whose per-sample
+      gradients bound the update (StableDRL's convex hull, ``train.gradient_bound``); None when
+      the objective has no such bound.
+    context: run settings ``fn`` takes (``"gen_length"``: the completion length).
+    variants: named hyperparameter overrides that comparisons run as separate objectives
+      (``{"grpo_token": {"level": "token"}, ...}``); by default the objective itself.
+    metrics: the metric names ``fn`` always reports.
   """
 
   name: str
   fn: Callable[..., tuple[Array, Metrics]]
+  hparams: type
   requires: tuple[str, ...]
   normalize: str
-  estimator: Callable[[dict[str, Any]], dict[str, Any]]
+  estimator: Callable[[Any], dict[str, Any]]
   baseline: str = "group_mean"
-  uses_reference: Callable[[dict[str, Any]], bool] = lambda hparams: False
+  uses_reference: Callable[[Any], bool] = lambda hparams: False
+  token_level: Callable[[Any], bool] = lambda hparams: False
+  eubo_beta: Callable[[Any], float | None] = lambda hparams: None
+  surrogate: Callable[[ObjectiveInputs, Any], Array] | None = None
+  context: tuple[str, ...] = ()
+  variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+  metrics: tuple[str, ...] = ()
+
+  def make_hparams(self, overrides: dict[str, Any] | None = None) -> Any:
+    """The hyperparameters: the official defaults with ``overrides`` (None values skipped).
+
+    Raises:
+      ValueError: "<field>: <why>" for an unknown field or a value ``check()`` refuses.
+    """
+    fields = {f.name for f in dataclasses.fields(self.hparams)}
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = sorted(set(given) - fields)
+    if unknown:
+      raise ValueError(f"{unknown[0]}: {self.name!r} has no hyperparameter {unknown[0]!r}; its "
+                       f"hyperparameters are {sorted(fields)}")
+    params = self.hparams(**given)
+    if hasattr(params, "check"):
+      params.check()
+    return params
+
+  def loss_kwargs(self, hparams: Any, context: dict[str, Any] | None = None
+                  ) -> tuple[tuple[str, Any], ...]:
+    """What ``fn`` takes, as a static (hashable) tuple: its hyperparameter fields and context."""
+    taken = inspect.signature(self.fn).parameters
+    kwargs = {k: v for k, v in dataclasses.asdict(hparams).items() if k in taken}
+    kwargs.update({k: v for k, v in (context or {}).items() if k in self.context})
+    return tuple(sorted(kwargs.items()))
+
+  def variant_overrides(self) -> dict[str, dict[str, Any]]:
+    """{variant name: hyperparameter overrides}; the objective alone without variants."""
+    return {name: dict(overrides) for name, overrides in self.variants} or {self.name: {}}
 
   def __call__(self, inputs: ObjectiveInputs, *, group_size: int,
                **hparams: Any) -> tuple[Array, Metrics]:
@@ -555,28 +604,49 @@ class Objective:
 _OBJECTIVES: dict[str, Objective] = {}
 
 
-def register_objective(name: str, *, requires: tuple[str, ...] = (), normalize: str = "mean",
-                       estimator: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]],
-                       baseline: str = "group_mean",
-                       uses_reference: Callable[[dict[str, Any]], bool] | None = None):
-  """Decorator adding ``fn(inputs, *, group_size, **hparams)`` to the registry.
+@dataclasses.dataclass(frozen=True)
+class NoHyperparameters:
+  """The hyperparameters of an objective that has none."""
 
-  ``estimator`` (a dict, or a function of the hyperparameters returning one), ``baseline`` and
-  ``uses_reference``: see :class:`Objective`.
-  """
+
+def register_objective(name: str, *, hparams: type = NoHyperparameters,
+                       requires: tuple[str, ...] = (), normalize: str = "mean",
+                       estimator: dict[str, Any] | Callable[[Any], dict[str, Any]],
+                       baseline: str = "group_mean",
+                       uses_reference: Callable[[Any], bool] | None = None,
+                       token_level: Callable[[Any], bool] | None = None,
+                       eubo_beta: Callable[[Any], float | None] | None = None,
+                       surrogate: Callable[[ObjectiveInputs, Any], Array] | None = None,
+                       context: tuple[str, ...] = (),
+                       variants: dict[str, dict[str, Any]] | None = None,
+                       metrics: tuple[str, ...] = ()):
+  """Decorator adding ``fn(inputs, *, group_size, **kwargs)`` to the registry; every keyword is
+  an attribute of :class:`Objective`. Registering is all it takes: the config check, the
+  likelihood spec, the update step and the comparisons consult the registry."""
   if baseline not in ADVANTAGE_BASELINES:
     raise ValueError(f"baseline must be one of {ADVANTAGE_BASELINES}, got {baseline!r}.")
-  estimator_of = estimator if callable(estimator) else lambda hparams: dict(estimator)
+  if not (dataclasses.is_dataclass(hparams) and hparams.__dataclass_params__.frozen):
+    raise TypeError(f"hparams of {name!r} must be a frozen dataclass (hashable: the update step "
+                    "is compiled for its values)")
+  estimator_of = estimator if callable(estimator) else lambda params: dict(estimator)
+  frozen_variants = tuple((k, tuple(sorted(v.items()))) for k, v in (variants or {}).items())
 
   def decorator(fn):
     if name in _OBJECTIVES:
       raise ValueError(f"Objective {name!r} is already registered.")
-    _OBJECTIVES[name] = Objective(name, fn, ("logp", "advantages") + requires, normalize,
-                                  estimator_of, baseline,
-                                  uses_reference or (lambda hparams: False))
+    defaults = dict(uses_reference=uses_reference, token_level=token_level, eubo_beta=eubo_beta)
+    _OBJECTIVES[name] = Objective(
+        name, fn, hparams, ("logp", "advantages") + requires, normalize, estimator_of, baseline,
+        surrogate=surrogate, context=context, variants=frozen_variants, metrics=metrics,
+        **{k: v for k, v in defaults.items() if v is not None})
     return fn
 
   return decorator
+
+
+def unregister_objective(name: str) -> None:
+  """Removes a registration (tests that register their own objective clean up with it)."""
+  _OBJECTIVES.pop(name, None)
 
 
 def get_objective(name: str) -> Objective:
@@ -588,6 +658,11 @@ def get_objective(name: str) -> Objective:
 
 def objective_names() -> list[str]:
   return sorted(_OBJECTIVES)
+
+
+def objectives() -> list[Objective]:
+  """Every registered objective, in registration order."""
+  return list(_OBJECTIVES.values())
 
 
 def surrogate_logp(inputs: ObjectiveInputs, surrogate: str, omega: float = 0.5) -> Array:
@@ -604,16 +679,44 @@ def surrogate_logp(inputs: ObjectiveInputs, surrogate: str, omega: float = 0.5) 
   raise ValueError(f"surrogate must be 'elbo' or 'sandwich', got {surrogate!r}.")
 
 
-def _grpo_estimator(hparams: dict[str, Any]) -> dict[str, Any]:
+_RATIO_METRICS = ("log_ratio/mean", "log_ratio/max", "log_ratio/min", "clip/frac_upper",
+                  "clip/frac_lower")
+
+
+def _choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
+  if value not in allowed:
+    raise ValueError(f"{field}: {value!r} is not one of {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOHparams:
+  """d1's GRPO: token level (per-token ratios) or sequence level, PPO clip, k3 KL at 0.04."""
+
+  level: str = "token"
+  epsilon_low: float = 0.5
+  epsilon_high: float = 0.5
+  beta: float = 0.04
+  kl_estimator: str = "k3"
+
+  def check(self) -> None:
+    _choice("level", self.level, ("token", "sequence"))
+    _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+
+
+def _grpo_estimator(params: GRPOHparams) -> dict[str, Any]:
   """d1 (token level): one mean-field sample, prompt tokens masked at 0.15, old and reference
   log-probs on each iteration's own masks. The sequence level scores an ELBO instead."""
-  if hparams.get("level", "token") == "token":
+  if params.level == "token":
     return dict(method="mean_field", num_samples=1, prompt_mask_prob=0.15, coupled_ratio=True)
   return dict(method="elbo", num_samples=2, coupled_ratio=True)
 
 
-@register_objective("grpo", requires=("old_logp",), normalize="sum", estimator=_grpo_estimator,
-                    uses_reference=lambda hparams: hparams.get("beta", 0.04) > 0)
+@register_objective("grpo", hparams=GRPOHparams, requires=("old_logp",), normalize="sum",
+                    estimator=_grpo_estimator, uses_reference=lambda p: p.beta > 0,
+                    token_level=lambda p: p.level == "token",
+                    variants={"grpo_token": {"level": "token"},
+                              "grpo_sequence": {"level": "sequence"}},
+                    metrics=_RATIO_METRICS)
 def _grpo(inputs: ObjectiveInputs, *, group_size: int, epsilon_low: float = 0.5,
           epsilon_high: float = 0.5, beta: float = 0.04,
           kl_estimator: str = "k3") -> tuple[Array, Metrics]:
@@ -624,13 +727,22 @@ def _grpo(inputs: ObjectiveInputs, *, group_size: int, epsilon_low: float = 0.5,
                    kl_estimator=kl_estimator)
 
 
+@dataclasses.dataclass(frozen=True)
+class ESPOHparams:
+  """ESPO: PPO clip on length-normalized ELBO ratios, a k2 KL (beta 1e-3: its GSM8K and MATH
+  scripts)."""
+
+  epsilon: float = 0.2
+  beta: float = 1e-3
+
+
 # ESPO: its own ELBO (count schedule stratified over the batch, complementary pass, the whole
 # generation scored), two samples, masks shared with pi_old and the reference, leave-one-out
-# advantages, a k2 KL (beta 1e-3: its GSM8K and MATH scripts).
-@register_objective("espo", requires=("old_logp",), normalize="sum",
+# advantages.
+@register_objective("espo", hparams=ESPOHparams, requires=("old_logp",), normalize="sum",
                     estimator=dict(method="espo_elbo", num_samples=2, coupled_ratio=True),
-                    baseline="leave_one_out",
-                    uses_reference=lambda hparams: hparams.get("beta", 1e-3) > 0)
+                    baseline="leave_one_out", uses_reference=lambda p: p.beta > 0,
+                    context=("gen_length",), metrics=_RATIO_METRICS)
 def _espo(inputs: ObjectiveInputs, *, group_size: int, gen_length: int,
           epsilon: float = 0.2, beta: float = 1e-3) -> tuple[Array, Metrics]:
   del group_size
@@ -644,7 +756,24 @@ _BLOCK_RANDOM = dict(method="block_random", num_samples=2, prompt_mask_prob=0.15
                      coupled_ratio=False)
 
 
-@register_objective("spg", requires=("lengths",), normalize="mean", estimator=_BLOCK_RANDOM)
+@dataclasses.dataclass(frozen=True)
+class SPGHparams:
+  """SPG: the ELBO for positive advantages, omega EUBO_beta + (1 - omega) ELBO otherwise."""
+
+  surrogate: str = "sandwich"
+  omega: float = 0.5
+  eubo_beta: float = 1.5
+
+  def check(self) -> None:
+    _choice("surrogate", self.surrogate, ("elbo", "sandwich"))
+
+
+def _sandwich_eubo(params: Any) -> float | None:
+  return float(params.eubo_beta) if params.surrogate == "sandwich" else None
+
+
+@register_objective("spg", hparams=SPGHparams, requires=("lengths",), normalize="mean",
+                    estimator=_BLOCK_RANDOM, eubo_beta=_sandwich_eubo)
 def _spg(inputs: ObjectiveInputs, *, group_size: int, surrogate: str = "sandwich",
          omega: float = 0.5) -> tuple[Array, Metrics]:
   del group_size
@@ -660,9 +789,32 @@ def _wd1(inputs: ObjectiveInputs, *, group_size: int) -> tuple[Array, Metrics]:
                   sample_mask=inputs.mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class StableDRLHparams:
+  """StableDRL: log c(rho) = clip(log rho, log min_ratio, log max_ratio), unconditionally, then
+  self-normalized over each group (or the batch); SPG's sandwich surrogate."""
+
+  min_ratio: float = 0.0
+  max_ratio: float = 5.0
+  normalize_over: str = "group"
+  surrogate: str = "sandwich"
+  omega: float = 0.5
+  eubo_beta: float = 1.5
+
+  def check(self) -> None:
+    if not 0 <= self.min_ratio < self.max_ratio:
+      raise ValueError(f"max_ratio: needs 0 <= min_ratio < max_ratio, got {self.min_ratio}, "
+                       f"{self.max_ratio}")
+    _choice("normalize_over", self.normalize_over, ("group", "batch"))
+    _choice("surrogate", self.surrogate, ("elbo", "sandwich"))
+
+
 # StableDRL: SPG's masks and sandwich; l_old once per rollout on independent masks.
-@register_objective("stabledrl", requires=("old_logp",), normalize="mean",
-                    estimator=_BLOCK_RANDOM)
+@register_objective("stabledrl", hparams=StableDRLHparams, requires=("old_logp",),
+                    normalize="mean", estimator=_BLOCK_RANDOM, eubo_beta=_sandwich_eubo,
+                    surrogate=lambda inputs, p: surrogate_logp(inputs, p.surrogate, p.omega),
+                    metrics=_RATIO_METRICS + ("snis/ess", "snis/ess_min",
+                                              "snis/weight_entropy", "snis/weight_max"))
 def _stabledrl(inputs: ObjectiveInputs, *, group_size: int,
                min_ratio: float = 0.0, max_ratio: float = 5.0,
                normalize_over: str = "group", surrogate: str = "sandwich",

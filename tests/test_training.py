@@ -14,6 +14,7 @@ import time
 import chex
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -114,7 +115,7 @@ def test_token_level_grpo_needs_mean_field():
 
 def test_a_kl_term_keeps_a_reference_model():
   config = tiny_config(**{"objective.name": "grpo", "estimator.method": ""})
-  assert config.objective.grpo.beta == 0.04 and specs.uses_reference(config)  # d1's
+  assert specs.objective_params(config).beta == 0.04 and specs.uses_reference(config)  # d1's
   assert not specs.uses_reference(tiny_config(**{"objective.name": "grpo",
                                                       "estimator.method": "",
                                                       "objective.grpo.beta": 0.0}))
@@ -283,8 +284,9 @@ def test_gradient_bound_matches_per_sample_gradients(surrogate):
                                 eubo_beta=1.5 if surrogate == "sandwich" else None)
   logits_fn_of = lambda p, m: rl_loss.model_logits_fn(nnx.merge(graphdef, p), m)
   key = jax.random.key(5)
-  bound = rl_loss.surrogate_gradient_bound(logits_fn_of, params, batch, key, spec=spec,
-                                           surrogate=surrogate, omega=0.5)
+  bound = rl_loss.surrogate_gradient_bound(
+      logits_fn_of, params, batch, key, spec=spec,
+      surrogate=lambda inputs: losses.surrogate_logp(inputs, surrogate, 0.5))
   masks = rl_loss.estimator_masks(batch, key, spec, stress_mode="easy")
 
   def s(p, j):  # The whole batch scored at once; row j's surrogate.
@@ -474,6 +476,68 @@ def test_every_objective_runs_a_step(objective, extra, tmp_path, sft_start):
       record["reward/correctness"] + record["reward/anti_short_boxed"], abs=1e-6)
   lines = metrics_writer.read_metrics(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in lines] == [1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SignHparams:
+  """A toy objective's hyperparameters, with its own check."""
+
+  scale: float = 1.0
+
+  def check(self):
+    if self.scale <= 0:
+      raise ValueError(f"scale: must be > 0, got {self.scale}")
+
+
+def _sign_objective(inputs, *, group_size, scale):
+  """REINFORCE on the sign of the advantage: a toy that no other file knows about."""
+  del group_size
+  sign = jnp.sign(inputs.advantages)
+  return -scale * jnp.mean(sign * inputs.logp), {"sign/positive": jnp.mean(sign > 0)}
+
+
+def test_an_objective_registered_in_a_test_file_trains(tmp_path, sft_start):
+  """Adding an objective is one registration: the config check, the likelihood spec, the update
+  step, the metrics and the sweeps pick it up; its hyperparameters come from its own section."""
+  losses.register_objective("sign_test", hparams=_SignHparams, normalize="mean",
+                            estimator=dict(method="elbo", num_samples=1),
+                            metrics=("sign/positive",))(_sign_objective)
+  try:
+    config = sweep.with_overrides(tiny_config(**{"train.num_steps": 1}),
+                                  {"objective.name": "sign_test"})
+    config.objective.sign_test = ml_collections.ConfigDict({"scale": 2.0})
+    assert specs.objective_hparams(config) == (("scale", 2.0),)
+    assert specs.estimator_settings(config)["method"] == "elbo"
+    history = trainer.train(config, str(workdir_with_start(tmp_path, sft_start)))
+    assert len(history) == 1 and 0.0 <= history[0]["sign/positive"] <= 1.0
+    assert np.isfinite(history[0]["loss"])
+    config.objective.sign_test.scale = -1.0
+    with pytest.raises(ValueError, match="config.objective.sign_test.scale: must be > 0"):
+      specs.validate(config)
+    config.objective.sign_test = ml_collections.ConfigDict({"scael": 2.0})
+    with pytest.raises(ValueError, match="config.objective.sign_test.scael"):
+      specs.validate(config)
+    assert "sign_test" in sweep.objective_variants()
+  finally:
+    losses.unregister_objective("sign_test")
+  assert "sign_test" not in losses.objective_names()
+
+
+def test_every_objective_reports_its_declared_metrics():
+  """The metrics a registration declares are among those its loss returns."""
+  g, n = 4, 8
+  rng = np.random.default_rng(0)
+  inputs = losses.ObjectiveInputs(
+      logp=jnp.asarray(rng.normal(size=n), jnp.float32),
+      advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
+      old_logp=jnp.asarray(rng.normal(size=n), jnp.float32),
+      ref_logp=jnp.asarray(rng.normal(size=n), jnp.float32),
+      eubo=jnp.asarray(rng.normal(size=n), jnp.float32),
+      lengths=jnp.full((n,), 5.0))
+  for objective in losses.objectives():
+    kwargs = dict(objective.loss_kwargs(objective.make_hparams(), {"gen_length": 16}))
+    _, metrics = objective(inputs, group_size=g, **kwargs)
+    assert set(objective.metrics) <= set(metrics), objective.name
 
 
 @pytest.mark.slow

@@ -61,20 +61,25 @@ def base_config() -> ml_collections.ConfigDict:
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
       block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9))
 
-  # Each objective's hyperparameters default to its official code's (docs/algorithms.md lists
-  # them with their sources). advantage_baseline: '' = the objective's own (group_mean, or ESPO's
-  # leave_one_out). A KL term (grpo/espo beta > 0) keeps a frozen copy of the start of RL.
+  # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/losses.py),
+  # defaulting to its official code's (docs/algorithms.md lists them with their sources). The
+  # sections below only name the fields so that --config.objective.<name>.<field>=value works;
+  # a field left unset (None) keeps the default. An objective registered elsewhere needs no
+  # section here (add one to your config file to override its fields).
+  # advantage_baseline: '' = the objective's own (group_mean, or ESPO's leave_one_out).
+  # A fresh placeholder per field (one shared reference would tie the fields together).
+  f, s = (lambda: config_dict.placeholder(float)), (lambda: config_dict.placeholder(str))
   c.objective = ml_collections.ConfigDict(dict(
       name="stabledrl",
       scale_advantages_by_std=False,
       advantage_baseline="",
       stabledrl=ml_collections.ConfigDict(dict(
-          min_ratio=0.0, max_ratio=5.0, normalize_over="group", surrogate="sandwich",
-          omega=0.5, eubo_beta=1.5)),
+          min_ratio=f(), max_ratio=f(), normalize_over=s(), surrogate=s(), omega=f(),
+          eubo_beta=f())),
       grpo=ml_collections.ConfigDict(dict(
-          level="token", epsilon_low=0.5, epsilon_high=0.5, beta=0.04, kl_estimator="k3")),
-      espo=ml_collections.ConfigDict(dict(epsilon=0.2, beta=1e-3)),
-      spg=ml_collections.ConfigDict(dict(surrogate="sandwich", omega=0.5, eubo_beta=1.5)),
+          level=s(), epsilon_low=f(), epsilon_high=f(), beta=f(), kl_estimator=s())),
+      espo=ml_collections.ConfigDict(dict(epsilon=f(), beta=f())),
+      spg=ml_collections.ConfigDict(dict(surrogate=s(), omega=f(), eubo_beta=f())),
       wd1=ml_collections.ConfigDict(),
   ))
   # Every field left unset (None, or '') takes the value of the objective's official code

@@ -210,7 +210,7 @@ def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key
   logp, eubo = estimate(logits_fn, batch, key, spec, stress_mode="easy")
   inputs = objective_inputs(batch, logp, eubo, spec, use_reference)
   loss, metrics = losses.get_objective(objective)(inputs, group_size=group_size, **dict(hparams))
-  return loss, metrics
+  return loss, {**metrics, "loss": loss}  # Every objective's loss is logged as `loss`.
 
 
 def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec: LikelihoodSpec,
@@ -225,7 +225,8 @@ def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec:
 
 def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
                              params: Any, batch: RolloutBatch, key: Array, *,
-                             spec: LikelihoodSpec, surrogate: str, omega: float) -> Array:
+                             spec: LikelihoodSpec,
+                             surrogate: Callable[[losses.ObjectiveInputs], Array]) -> Array:
   """max_j |A_j| * ||grad_theta s_j||: the bound on StableDRL's gradient norm (docs/algorithms.md).
 
   StableDRL's gradient is a convex combination (per group) of A_j grad s_j, so its norm never
@@ -237,7 +238,8 @@ def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Arra
     logits_fn_of: (params, attention_mask [B, L]) -> logits_fn, as ``model_logits_fn``.
     params: the parameters the gradients are taken with respect to.
     batch: N rollouts; ``key`` and ``spec`` as in ``objective_loss``.
-    surrogate, omega: StableDRL's surrogate settings (``losses.surrogate_logp``).
+    surrogate: inputs -> [N] s, the objective's registered surrogate with its hyperparameters
+      bound (``losses.Objective.surrogate``).
 
   Returns:
     [] float32.
@@ -250,7 +252,7 @@ def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Arra
     logp, eubo = estimate(logits_fn_of(p, row.attention_mask), row, None, spec,
                           masks=row_masks)
     inputs = objective_inputs(row, logp, eubo, spec, use_reference=False)
-    return losses.surrogate_logp(inputs, surrogate, omega)[0]
+    return surrogate(inputs)[0]
 
   grads = jax.vmap(jax.grad(sample_surrogate), in_axes=(None, 0, 1))(params, batch, masks)
   squares = [jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))

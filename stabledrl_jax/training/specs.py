@@ -31,12 +31,26 @@ def _require(condition: bool, field: str, message: str) -> None:
     raise ValueError(f"config.{field}: {message}")
 
 
-def objective_level(config: ml_collections.ConfigDict) -> str | None:
-  return config.objective.grpo.level if config.objective.name == "grpo" else None
+def objective_params(config: ml_collections.ConfigDict) -> Any:
+  """The objective's hyperparameters (its registered dataclass): the official defaults, with
+  the fields ``config.objective.<name>`` sets (a section is optional; unset fields are None).
+
+  Raises:
+    ValueError naming ``config.objective.<name>.<field>`` for an unknown field or a bad value.
+  """
+  name = config.objective.name
+  objective = losses.get_objective(name)
+  section = config.objective.get(name)
+  overrides = section.to_dict() if isinstance(section, ml_collections.ConfigDict) else {}
+  try:
+    return objective.make_hparams(overrides)
+  except ValueError as error:
+    raise ValueError(f"config.objective.{name}.{error}") from None
 
 
-def _objective_section(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  return dict(config.objective.get(config.objective.name, {}))
+def token_level(config: ml_collections.ConfigDict) -> bool:
+  """Whether the objective takes per-token log-probs [N, T] (d1's token-level GRPO)."""
+  return losses.get_objective(config.objective.name).token_level(objective_params(config))
 
 
 def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -45,7 +59,7 @@ def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   objective = losses.get_objective(config.objective.name)
   settings = {"normalize": objective.normalize, "block_length": _DEFAULT_BLOCK_LENGTH,
               "coupled_ratio": False, "num_samples": 1}
-  official = objective.estimator(_objective_section(config))
+  official = objective.estimator(objective_params(config))
   if config.estimator.method and config.estimator.method != official["method"]:
     # Another method than the official one: its options keep their own defaults.
     official = {k: v for k, v in official.items() if k in _OBJECTIVE_ESTIMATOR_FIELDS}
@@ -69,7 +83,7 @@ def sampler_options(method: str) -> tuple[str, ...]:
 
 def uses_reference(config: ml_collections.ConfigDict) -> bool:
   """Whether the objective, with these hyperparameters, needs a frozen reference policy."""
-  return losses.get_objective(config.objective.name).uses_reference(_objective_section(config))
+  return losses.get_objective(config.objective.name).uses_reference(objective_params(config))
 
 
 def advantage_baseline(config: ml_collections.ConfigDict) -> str:
@@ -133,9 +147,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(r.remasking in family.remasking, "rollout.remasking",
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(0 < r.threshold <= 1, "rollout.threshold", f"must lie in (0, 1], got {r.threshold}")
-  if name == "grpo":
-    _require(config.objective.grpo.level in ("token", "sequence"), "objective.grpo.level",
-             f"{config.objective.grpo.level!r} is not 'token' or 'sequence'")
+  objective_params(config)  # Its own checks, naming the field.
   _validate_estimator(config, block_size is not None or family.name != "llada")
   stress = config.estimator.stress
   _require(0 <= stress.fraction <= 1, "estimator.stress.fraction",
@@ -146,16 +158,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(stress.easy_rate <= stress.hard_rate, "estimator.stress.easy_rate",
            f"the easy masks must not mask more than the hard ones, got easy_rate="
            f"{stress.easy_rate} > hard_rate={stress.hard_rate}")
-  if name == "stabledrl":
-    s = config.objective.stabledrl
-    _require(0 <= s.min_ratio < s.max_ratio, "objective.stabledrl.max_ratio",
-             f"needs 0 <= min_ratio < max_ratio, got {s.min_ratio}, {s.max_ratio}")
-    _require(s.normalize_over in ("group", "batch"), "objective.stabledrl.normalize_over",
-             f"{s.normalize_over!r} is not 'group' or 'batch'")
-  if name in ("stabledrl", "spg"):
-    _require(config.objective[name].surrogate in ("elbo", "sandwich"),
-             f"objective.{name}.surrogate",
-             f"{config.objective[name].surrogate!r} is not 'elbo' or 'sandwich'")
   _require(advantage_baseline(config) in losses.ADVANTAGE_BASELINES,
            "objective.advantage_baseline",
            f"{config.objective.advantage_baseline!r} is not '' or one of "
@@ -172,8 +174,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
   _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
   _require(t.microbatch_groups >= 0, "train.microbatch_groups", "must be >= 0")
-  _require(not t.gradient_bound or name == "stabledrl", "train.gradient_bound",
-           f"the convex-hull bound is StableDRL's; objective.name is {name!r}")
+  _require(not t.gradient_bound or losses.get_objective(name).surrogate is not None,
+           "train.gradient_bound",
+           f"the convex-hull bound needs a registered surrogate; {name!r} has none")
   if t.microbatch_groups:
     _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
              f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")
@@ -216,7 +219,7 @@ def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) ->
   settings = estimator_settings(config)
   method, methods = settings["method"], tuple(estimators.MASK_SAMPLERS)
   _require(method in methods, "estimator.method", f"{method!r} is not one of {methods}")
-  if objective_level(config) == "token":
+  if token_level(config):
     _require(method == "mean_field", "estimator.method",
              "token-level GRPO scores every completion token, so it needs 'mean_field'")
   _require(settings["normalize"] in ("sum", "mean"), "estimator.normalize",
@@ -264,25 +267,21 @@ def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
   stress_rates = None
   if e.stress.fraction > 0:
     stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
-  eubo_beta = None
-  if name in ("stabledrl", "spg") and config.objective[name].surrogate == "sandwich":
-    eubo_beta = float(config.objective[name].eubo_beta)
+  objective, params = losses.get_objective(name), objective_params(config)
   return rl_loss.LikelihoodSpec(
       method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
-      token_level=objective_level(config) == "token", eubo_beta=eubo_beta, mask_id=mask_id,
+      token_level=objective.token_level(params), eubo_beta=objective.eubo_beta(params),
+      mask_id=mask_id,
       options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size,
       # Completions fill the last gen_length positions of every rollout row.
       scored_suffix=config.rollout.gen_length if block_size is None else None)
 
 
 def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
-  """Keyword arguments of the registered objective, from ``config.objective.<name>``."""
-  name = config.objective.name
-  hparams = dict(config.objective[name])
-  for key in ("level", "eubo_beta"):  # Estimator settings, not loss arguments.
-    hparams.pop(key, None)
-  if name == "espo":
-    hparams["gen_length"] = config.rollout.gen_length
-  return tuple(sorted(hparams.items()))
+  """Keyword arguments of the registered objective's loss: its hyperparameters that the loss
+  takes, and the run settings it names (``Objective.context``)."""
+  objective = losses.get_objective(config.objective.name)
+  return objective.loss_kwargs(objective_params(config),
+                               {"gen_length": config.rollout.gen_length})
 
 

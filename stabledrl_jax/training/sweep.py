@@ -15,6 +15,7 @@ from typing import Any
 
 import ml_collections
 
+from stabledrl_jax import losses
 from stabledrl_jax.training import metrics_writer, trainer
 
 _RESULT_FILE = "run_result.json"
@@ -22,26 +23,27 @@ _RESULT_FILE = "run_result.json"
 # terms every completion gets (StableDRL's anti-short-boxed reward).
 REWARD_METRIC = "reward/correctness"
 
-# The objectives compared, as (name, config overrides as dotted paths). Each runs with its
-# official loss and estimator settings (losses.py registrations), except what the sweep's config
-# sets for all of them (every other training setting is shared).
-OBJECTIVE_VARIANTS: dict[str, dict[str, Any]] = {
-    "grpo_token": {"objective.name": "grpo", "objective.grpo.level": "token"},
-    "grpo_sequence": {"objective.name": "grpo", "objective.grpo.level": "sequence"},
-    "espo": {"objective.name": "espo"},
-    "spg": {"objective.name": "spg"},
-    "wd1": {"objective.name": "wd1"},
-    "stabledrl": {"objective.name": "stabledrl"},
-}
+def objective_variants() -> dict[str, dict[str, Any]]:
+  """The objectives compared, as {name: config overrides as dotted paths}: every registered
+  objective, or its registered variants (``grpo_token``, ``grpo_sequence``). Each runs with its
+  official loss and estimator settings, except what the sweep's config sets for all of them
+  (every other training setting is shared)."""
+  variants = {}
+  for objective in losses.objectives():
+    for variant, overrides in objective.variant_overrides().items():
+      variants[variant] = {"objective.name": objective.name, **{
+          f"objective.{objective.name}.{field}": value for field, value in overrides.items()}}
+  return variants
 
 
 def select_objectives(names: list[str] | None) -> list[str]:
-  """``names`` (None: every variant), checked against ``OBJECTIVE_VARIANTS``."""
+  """``names`` (None: every variant), checked against ``objective_variants()``."""
+  known = objective_variants()
   if not names:
-    return list(OBJECTIVE_VARIANTS)
-  unknown = sorted(set(names) - set(OBJECTIVE_VARIANTS))
+    return list(known)
+  unknown = sorted(set(names) - set(known))
   if unknown:
-    raise ValueError(f"unknown objectives {unknown}; known: {list(OBJECTIVE_VARIANTS)}")
+    raise ValueError(f"unknown objectives {unknown}; known: {list(known)}")
   return list(names)
 
 

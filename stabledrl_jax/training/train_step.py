@@ -8,6 +8,8 @@ untouched and increments ``skipped_steps``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 from typing import Any, Callable
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from stabledrl_jax import losses
 from stabledrl_jax.training import rl_loss
 
 Array = jax.Array
@@ -163,10 +166,12 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     mb, mb_key = inputs
     (_, metrics), mb_grads = grad_fn(params, mb, mb_key)
     if gradient_bound:
-      hp = dict(hparams)
+      registered = losses.get_objective(objective)
+      fields = {f.name for f in dataclasses.fields(registered.hparams)}
+      bound_params = registered.make_hparams({k: v for k, v in hparams if k in fields})
       metrics["grad_bound/max"] = rl_loss.surrogate_gradient_bound(
-          logits_fn_of, params, mb, mb_key, spec=spec, surrogate=hp["surrogate"],
-          omega=hp["omega"])
+          logits_fn_of, params, mb, mb_key, spec=spec,
+          surrogate=lambda inputs: registered.surrogate(inputs, bound_params))
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
     return grads, metrics
 
