@@ -374,6 +374,19 @@ def test_one_process_or_no_cluster_initializes_nothing(monkeypatch):
   assert multihost.detected_cluster() == "TPU_WORKER_HOSTNAMES"
 
 
+def test_a_cloud_tpu_vm_is_detected_the_way_jax_detects_it(monkeypatch):
+  """On a pod worker reached by ssh no launcher variable is set; JAX's TPU detection (its
+  metadata server) decides."""
+  from jax._src.clusters import cloud_tpu_cluster  # pylint: disable=g-import-not-at-top
+  for name in ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_STEP_NUM_TASKS",
+               "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(name, raising=False)
+  assert multihost.detected_cluster() is None
+  monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "is_env_present",
+                      classmethod(lambda cls: True))
+  assert multihost.detected_cluster() == "GceTpuCluster"
+
+
 def test_the_reward_pool_scores_what_this_process_scores():
   task = tasks.get_task("countdown")
   examples = list(tasks.CountdownGenerator(6, seed=0))

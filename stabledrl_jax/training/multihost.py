@@ -37,12 +37,25 @@ _CLUSTER_VARIABLES = {
 
 
 def detected_cluster() -> str | None:
-  """The environment variable that shows a multi-process launch, or None."""
+  """What shows a multi-process launch: an environment variable of the launcher, or a Cloud TPU
+  VM that JAX's own cluster detection recognizes (its metadata server; an ssh session on a pod
+  worker has no launcher variables). None: one process alone."""
   for name, test in _CLUSTER_VARIABLES.items():
     value = os.environ.get(name, "")
     if value and test(value):
       return name
-  return None
+  return _jax_detected_tpu()
+
+
+def _jax_detected_tpu() -> str | None:
+  """The TPU cluster type JAX detects, if any. JAX's detection is internal API: if it moves,
+  this returns None and TPU pods need the explicit flags."""
+  try:
+    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+    candidates = [c for c in clusters.ClusterEnv._cluster_types if "Tpu" in c.__name__]  # pylint: disable=protected-access
+    return next((c.__name__ for c in candidates if c.is_env_present()), None)
+  except Exception:  # pylint: disable=broad-exception-caught
+    return None
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
