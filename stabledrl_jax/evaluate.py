@@ -302,6 +302,10 @@ def generate_shards(model: Any, tokenizer, task: tasks.Task,
 # ---------------------------------------------------------------------------
 
 
+# The sampler flags default to the one set of decoding defaults (`decoding.Decoding`).
+_DECODING = {field.name: field.default for field in dataclasses.fields(decoding.Decoding)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Everything a run needs; the CLI flags of the same names (see `define_flags`)."""
@@ -311,12 +315,12 @@ class Options:
   output_dir: str
   gen_lengths: Sequence[int] = (128, 256, 512)
   step: int | None = None
-  steps: int = 0
-  block_length: int = 32
-  temperature: float = 0.0
-  remasking: str = "low_confidence"
-  threshold: float = 0.9
-  cfg_scale: float = 0.0
+  steps: int = _DECODING["steps"]
+  block_length: int = _DECODING["block_length"]
+  temperature: float = _DECODING["temperature"]
+  remasking: str = _DECODING["remasking"]
+  threshold: float = _DECODING["threshold"]
+  cfg_scale: float = _DECODING["cfg_scale"]
   batch_size: int = 64
   shard_size: int = 128
   limit: int = 0

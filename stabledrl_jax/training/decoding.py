@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import tqdm
 
-from stabledrl_jax import models
-from stabledrl_jax.training import mesh as mesh_lib, model_family, multihost
+from stabledrl_jax import models, sampling
+from stabledrl_jax.training import data, mesh as mesh_lib, model_family, multihost
 
 
 def default_steps(gen_length: int, block_length: int) -> int:
@@ -77,7 +77,6 @@ class Decoding:
 
   def check(self) -> None:
     """Raises ValueError unless LLaDA's sampler accepts these settings (cheap)."""
-    from stabledrl_jax import sampling  # pylint: disable=g-import-not-at-top
     settings = dataclasses.asdict(self)
     del settings["stop_at_eos"]
     sampling.check_settings(**settings)
@@ -97,6 +96,19 @@ def generate(model: Any, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: 
   model calls each row needed [B]."""
   return model_family.generate(model, prompt_tokens, prompt_mask, key, **dataclasses.asdict(
       decoding))
+
+
+def generate_rows(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                  key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
+                  split: multihost.RowSplit) -> tuple[np.ndarray, np.ndarray]:
+  """Decodes one batch of ``split.num_rows`` rows split over ``mesh``, given and returning this
+  process's rows ``split.rows`` only: prompts [n, P] -> (tokens [n, P + G], model calls [n])."""
+  rows_sharding = models.batch_sharding(mesh, ndim=1)
+  tokens, mask = multihost.to_global((prompt_tokens, prompt_mask), rows_sharding,
+                                     split.num_rows)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # The model's constraints.
+    out, calls = generate(model, tokens, mask, key, decoding)
+  return multihost.local_rows(out, split), multihost.local_rows(calls, split)
 
 
 @dataclasses.dataclass
@@ -128,21 +140,22 @@ def generate_batches(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndar
     raise ValueError(f"batch size must be >= 1, got {batch_size}")
   rows_sharding = models.batch_sharding(mesh, ndim=1)
   ways = mesh_lib.data_parallel_size(mesh)
+  splits = {}  # By padded batch size: at most two sizes, one collective each.
   rows, completions, calls = [], [], []
   prompt_length = prompt_tokens.shape[1]
   for batch, start in enumerate(range(0, len(prompt_tokens), batch_size)):
     (tokens, mask), real = mesh_lib.pad_rows(
         [prompt_tokens[start:start + batch_size], prompt_mask[start:start + batch_size]], ways)
-    split = multihost.row_split(rows_sharding, len(tokens))
-    tokens_in, mask_in = multihost.to_global((tokens[split.rows], mask[split.rows]),
-                                             rows_sharding, len(tokens))
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # The model's constraints.
-      out, out_calls = generate(model, tokens_in, mask_in, jax.random.fold_in(key, batch),
-                                decoding)
+    if len(tokens) not in splits:
+      splits[len(tokens)] = multihost.row_split(rows_sharding, len(tokens))
+    split = splits[len(tokens)]
+    out, out_calls = generate_rows(model, tokens[split.rows], mask[split.rows],
+                                   jax.random.fold_in(key, batch), decoding, mesh=mesh,
+                                   split=split)
     keep = split.rows < real
     rows.append(start + split.rows[keep])
-    completions.append(multihost.local_rows(out, split)[keep, prompt_length:])
-    calls.append(multihost.local_rows(out_calls, split)[keep])
+    completions.append(out[keep, prompt_length:])
+    calls.append(out_calls[keep])
     if progress is not None:
       progress.update(real)
   if not rows:
@@ -158,7 +171,6 @@ def score_batches(model: Any, tokenizer, task: Any, examples: Any, prompt_tokens
   """``generate_batches``, then each decoded row scored by its task: this process's totals
   [4] float64 of (metric's correct, metric's total, reward, model calls). The trainer sums them
   over the processes (``multihost.sum_over_rows``)."""
-  from stabledrl_jax.training import data  # pylint: disable=g-import-not-at-top
   decoded = generate_batches(model, prompt_tokens, prompt_mask, key, decoding, mesh=mesh,
                              batch_size=batch_size)
   texts = data.decode_completions(tokenizer, decoded.completions)

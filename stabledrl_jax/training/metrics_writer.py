@@ -70,11 +70,11 @@ class MetricsWriter:
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     record = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
     line = json.dumps(record) + "\n"
-    self._lines.append(line)
     if self._file is not None:
       self._file.write(line)
       self._file.flush()
-    else:
+    else:  # The whole file each time: object stores cannot append.
+      self._lines.append(line)
       _write_atomically(self.path, "".join(self._lines))
     if self._tb is not None:
       for name, value in record.items():

@@ -149,9 +149,7 @@ def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
       staging = path.parent / (path.name + ".tmp")
       if staging.exists():
         staging.rmtree()
-      staging.mkdir(parents=True)
-      for file in epath.Path(local).iterdir():
-        (staging / file.name).write_bytes(file.read_bytes())
+      _copy_files(epath.Path(local), staging)
       staging.rename(path)
   multihost.sync("stabledrl_jax: supervised start written")
 
@@ -161,9 +159,15 @@ def _load_pretrained(path: epath.Path, mesh, config: ml_collections.ConfigDict) 
   if checkpointing.is_local(path):
     return models.from_pretrained(str(path), mesh=mesh, **_dtypes(config))
   with tempfile.TemporaryDirectory() as local:
-    for file in path.iterdir():
-      (epath.Path(local) / file.name).write_bytes(file.read_bytes())
+    _copy_files(path, epath.Path(local))
     return models.from_pretrained(local, mesh=mesh, **_dtypes(config))
+
+
+def _copy_files(source: epath.Path, target: epath.Path) -> None:
+  """The files of directory ``source`` into ``target`` (created), local or remote either way."""
+  target.mkdir(parents=True, exist_ok=True)
+  for file in source.iterdir():
+    (target / file.name).write_bytes(file.read_bytes())
 
 
 def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shardings: Any,
@@ -322,15 +326,11 @@ class Trainer:
     batch of ``num_rows`` (default B: one process). ``options`` (remasking, threshold) override
     ``config.rollout``'s.
     """
-    num_rows = len(prompt_tokens) if num_rows is None else num_rows
-    split = self._split(num_rows)
-    tokens, mask = multihost.to_global((prompt_tokens, prompt_mask), self.batch_sharding,
-                                       num_rows)
     settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=temperature,
                                             steps=steps, **options)
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # The model's constraints.
-      tokens, calls = decoding.generate(self._model(params), tokens, mask, key, settings)
-    return multihost.local_rows(tokens, split), multihost.local_rows(calls, split)
+    split = self._split(len(prompt_tokens) if num_rows is None else num_rows)
+    return decoding.generate_rows(self._model(params), prompt_tokens, prompt_mask, key,
+                                  settings, mesh=self.mesh, split=split)
 
   def _split(self, num_rows: int) -> multihost.RowSplit:
     """This process's rows of a batch of ``num_rows`` (cached: one collective per size)."""
@@ -338,14 +338,18 @@ class Trainer:
       self._splits[num_rows] = multihost.row_split(self.batch_sharding, num_rows)
     return self._splits[num_rows]
 
-  def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, advantages: np.ndarray,
-                 stressed: np.ndarray | None = None, *,
+  def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
+    """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""
+    return np.asarray(sampling.completion_mask(tokens, self.config.rollout.prompt_length,
+                                               model_family.stop_ids(self.model_config)))
+
+  def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, completion: np.ndarray,
+                 advantages: np.ndarray, stressed: np.ndarray | None = None, *,
                  num_rows: int | None = None) -> rl_loss.RolloutBatch:
     """Global arrays of the rollouts, sharded over the batch axis, from this process's rows
-    of a batch of ``num_rows`` (default: ``len(tokens)``, one process)."""
+    of a batch of ``num_rows`` (default: ``len(tokens)``, one process); ``completion`` is
+    ``completion_mask(tokens)``."""
     r = self.config.rollout
-    completion = np.asarray(sampling.completion_mask(
-        tokens, r.prompt_length, model_family.stop_ids(self.model_config)))
     no_gen = np.zeros((tokens.shape[0], r.gen_length), bool)
     no_prompt = np.zeros_like(prompt_mask)
     batch = rl_loss.RolloutBatch(
@@ -410,7 +414,9 @@ class Trainer:
       stressed = np.asarray(estimators.stress_selection(
           jax.random.fold_in(key, _STRESS_KEY), split.num_rows,
           config.estimator.stress.fraction))[split.rows]
-    batch = self.make_batch(tokens, prompt_mask, advantages, stressed, num_rows=split.num_rows)
+    completion = self.completion_mask(tokens)
+    batch = self.make_batch(tokens, prompt_mask, completion, advantages, stressed,
+                            num_rows=split.num_rows)
     # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
     # Independent (StableDRL): once, on masks of their own, so that at the first iteration the
     # ratio is pure estimator noise.
@@ -439,10 +445,9 @@ class Trainer:
         np.int32(step + 1), self.state_shardings.step))  # Global on every process.
 
     # Whole-batch statistics of host-side values: every process's rows.
-    lengths = np.asarray(batch_completion_lengths(tokens, r.prompt_length,
-                                                  model_family.stop_ids(self.model_config)))
     rows = multihost.gather_rows(np.column_stack(
-        [rewards, np.abs(advantages), lengths, calls, components]).astype(np.float32), split)
+        [rewards, np.abs(advantages), completion.sum(-1), calls, components]).astype(np.float32),
+        split)
     rewards_all, components_all = rows[:, 0], rows[:, 4:]
     elapsed = time.perf_counter() - start
     terms = self.scorer.terms
@@ -470,12 +475,11 @@ class Trainer:
 
   def run(self) -> list[dict[str, Any]]:
     """Trains from the latest checkpoint (or the start) to ``train.num_steps``, or until a
-    SIGTERM, which saves at the next step boundary (``preempted`` is then True)."""
+    SIGTERM, which saves at the next step boundary."""
     config = self.config
     history = []
     eval_key = jax.random.key(config.seed + 1)
     every = config.eval.every_steps
-    self.preempted = False
     if self.start_step == 0 and every:
       self._write(0, self.evaluate(self.state.params, eval_key))
     progress = tqdm.tqdm(range(self.start_step, config.train.num_steps),
@@ -510,7 +514,6 @@ class Trainer:
           self._save(done)
           last_save = time.monotonic()
         if preempted:
-          self.preempted = True
           if self.primary:
             logging.warning("SIGTERM: saved step %d in %s; rerun the same command to continue",
                             done if healthy else self.checkpointer.latest_step(),
@@ -528,11 +531,6 @@ class Trainer:
   def _write(self, step: int, metrics: dict[str, Any]) -> None:
     if self.writer is not None:
       self.writer.write(step, metrics)
-
-
-def batch_completion_lengths(tokens: np.ndarray, prompt_length: int, stop_ids) -> np.ndarray:
-  """Completion tokens of each row [B] (up to and including its first stop token)."""
-  return np.asarray(sampling.completion_mask(tokens, prompt_length, stop_ids)).sum(-1)
 
 
 class PreemptionWatcher:
