@@ -22,8 +22,8 @@ gen; K Monte Carlo samples; the paper's StableDRL setting: block_random masks, S
 
 Per row: seconds (median of `--repeats` warm calls), tokens/s (sequence positions through the
 model: N * K * L for forward and training, N * gen for the sampler), FLOPs (matmul FLOPs counted
-from the config by `models.flops`, whose docstring has the formula: 2 per multiply-add of every
-kernel but the embedding, plus 4 L D per token per layer for attention; forward + backward = 3x
+from the config by `models.llada.flops`, whose docstring has the formula: 2 per multiply-add of
+every kernel but the embedding, plus 4 L D per token per layer for attention; forward + backward = 3x
 the forward; training counts the last block's queries and the head on the gen completion
 positions; the sampler counts `steps` passes with the last block and the head on one block),
 FLOP/s, MFU and peak memory. MFU is the median over repeats of the row's FLOP/s over the mean
@@ -66,7 +66,7 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import models, profiling, sampling
-from stabledrl_jax.models import flops as flops_lib
+from stabledrl_jax.models.llada import flops as flops_lib
 from stabledrl_jax.training import config_lib, mesh as mesh_lib, optimizer, rl_loss
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import train_step, trainer
@@ -153,7 +153,7 @@ def forward_case(name: str, model: nnx.Module, w: Workload) -> Case:
 
 def train_core_case(name: str, model: nnx.Module, w: Workload) -> Case:
   c = rl_config(w)
-  spec = specs.likelihood_spec(c, model.config.mask_token_id)
+  spec = specs.likelihood_spec(c, model.config)
   hparams = specs.objective_hparams(c)
   graphdef, params = nnx.split(model, nnx.Param)
   batch = rollout_batch(model.config, w)
@@ -179,7 +179,7 @@ def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optimizer.make_optimizer(c.optimizer, c.train.num_steps * c.train.num_iterations)
   state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0))(params)
-  spec = specs.likelihood_spec(c, model.config.mask_token_id)
+  spec = specs.likelihood_spec(c, model.config)
   update = trainer.make_update(c, graphdef, tx, jax.tree.map(lambda x: x.sharding, state), mesh,
                                spec)
   batch = rollout_batch(model.config, w)

@@ -63,10 +63,11 @@ def _parse_args():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="llada_8b",
                       help="a model config name of --family (llada_8b, sdar_8b, tiny, ...)")
-  parser.add_argument("--family", default="", choices=("", "llada", "sdar"),
-                      help="model family (default: sdar for names starting with 'sdar', else "
-                           "llada); its paper config (config_lib.llada8b_config / sdar8b_config) "
-                           "gives the RL sizes")
+  parser.add_argument("--family", default="",
+                      help="a registered model family (models.family.names(); default: the one "
+                           "whose named configs hold --model, LLaDA's for a name both have); its "
+                           "paper config (config_lib.sdar8b_config for sdar, else "
+                           "llada8b_config with model.family set) gives the RL sizes")
   parser.add_argument("--task", default="gsm8k", help="the paper config's task (sizes only)")
   parser.add_argument("--meshes", default="fsdp=8;fsdp=64;fsdp=256",
                       type=lambda s: [_mesh(m) for m in s.split(";") if m])
@@ -105,6 +106,7 @@ def main():
         f"{flags} --xla_force_host_platform_device_count={devices_needed}").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import config_lib, specs  # pylint: disable=g-import-not-at-top
 
   if jax.device_count() < devices_needed:
@@ -113,14 +115,18 @@ def main():
   gbs = [float(g) for g in args.device_gb.split(";") if g] if args.device_gb else []
   if gbs and len(gbs) != len(args.meshes):
     sys.exit("--device_gb needs one value per mesh")
+  family = args.family or next(
+      (name for name in family_lib.names() if args.model in family_lib.get(name).config_names),
+      "llada")
+  if family not in family_lib.names():
+    sys.exit(f"--family {family!r} is not one of {family_lib.names()}")
   rows = []
   for i, mesh_sizes in enumerate(args.meshes):
     ways = math.prod(mesh_sizes.values())
     device_bytes = int((gbs[i] if gbs else (80 if ways <= 8 else 16)) * 1e9)
-    family = args.family or ("sdar" if args.model.startswith("sdar") else "llada")
     paper_config = config_lib.sdar8b_config if family == "sdar" else config_lib.llada8b_config
     config = paper_config(args.task, learning_rate=1e-6)
-    config.model.name = args.model
+    config.model.update(family=family, name=args.model)
     config.mesh.update(**mesh_sizes)
     for assignment in args.set:
       _override(config, assignment)

@@ -12,7 +12,7 @@ ELBO),
     log p(z_j | z_<j) >= E[(L_j / m_j) sum_{i masked} log p(z_i | z_<j, masked block j)]
 
 (prompt tokens are never masked; they condition every block). The staircase layout [x_t ; x_0]
-(``models/staircase.py``) computes log p(z_i | z_<j, masked block j) for *every* block j in one
+(``models/sdar/staircase.py``) computes log p(z_i | z_<j, masked block j) for *every* block j in one
 forward pass: noisy block j sees itself and the clean blocks < j only. A naive estimator needs one
 pass per block (``per_block_token_logprobs``, kept as the reference and the benchmark baseline).
 
@@ -39,7 +39,7 @@ multiple of block_size (``estimate_block_elbo`` pads to one).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import chex
 import flax.struct
@@ -409,3 +409,50 @@ def estimate_block_elbo(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: A
                                        mask_id=mask_id, block_size=block_size,
                                        normalize=normalize, attention_mask=attention_mask)
   return estimate if return_details else estimate.value
+
+
+# ---------------------------------------------------------------------------
+# A block diffusion model's likelihood (``models.Family.likelihood``).
+# ---------------------------------------------------------------------------
+
+# The estimator methods a block model takes keep their full-attention meaning by analogy
+# (``training/rl_loss.py``'s docstring): 'mean_field' scores every block fully masked, each
+# token given the clean blocks before its own; every ELBO method is the block ELBO, all blocks
+# scored in one staircase pass (for blocks fixed by position, averaging SPG's one random block
+# over the choice of block gives exactly that).
+METHODS = ("mean_field", "elbo", "block_random", "block_random_unbiased", "espo_elbo")
+
+
+def _options(method: str) -> tuple[str, ...]:
+  return () if method == "mean_field" else ("coupled",)
+
+
+def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                spec: Any) -> BlockMaskSample:
+  del prompt_mask  # Prompts are never masked.
+  if spec.method == "mean_field":
+    return fixed_block_masks(completion_mask, block_size=spec.block_size)
+  return sample_block_masks(key, completion_mask, block_size=spec.block_size,
+                            num_samples=spec.num_samples, **dict(spec.options))
+
+
+def _spec_stress_masks(prompt_mask: Array, completion_mask: Array, spec: Any, *, mode: str,
+                       rate: float, num_rows: int) -> BlockMaskSample:
+  """Per block of L_j completion tokens: 'easy' masks only the last ceil(rate L_j), 'hard' the
+  first ceil(rate L_j)."""
+  del prompt_mask
+  return fixed_block_masks(completion_mask, block_size=spec.block_size, rate=rate,
+                           position="tail" if mode == "easy" else "head", num_samples=num_rows)
+
+
+def _spec_estimate(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: Array,
+                   completion_mask: Array, attention_mask: Array, masks: BlockMaskSample,
+                   spec: Any) -> BlockEstimate:
+  return estimate_block_elbo(staircase_fn, tokens, prompt_mask, completion_mask, None,
+                             mask_id=spec.mask_id, block_size=spec.block_size,
+                             normalize=spec.normalize, masks=masks,
+                             attention_mask=attention_mask, return_details=True)
+
+
+BLOCK = estimators.Likelihood(methods=lambda: METHODS, options=_options, masks=_spec_masks,
+                              stress_masks=_spec_stress_masks, estimate=_spec_estimate)

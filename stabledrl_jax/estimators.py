@@ -47,7 +47,9 @@ of docs/stress_test.md.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import inspect
+from typing import Any, Callable
 
 import chex
 import flax.struct
@@ -388,13 +390,48 @@ def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask
                     mean_scale=mean_scale, rate=_safe_div(count_f, total))
 
 
-MASK_SAMPLERS: dict[str, Callable[..., MaskSample]] = {
-    "mean_field": _mean_field_masks,
-    "elbo": _elbo_masks,
-    "block_random": _block_random_masks,
-    "block_random_unbiased": _block_random_unbiased_masks,
-    "espo_elbo": _espo_elbo_masks,
-}
+# ---------------------------------------------------------------------------
+# The method registry: ``config.estimator.method`` names one of these.
+# ---------------------------------------------------------------------------
+
+_METHODS: dict[str, Callable[..., MaskSample]] = {}
+
+
+def register_method(name: str, sampler: Callable[..., MaskSample]) -> Callable[..., MaskSample]:
+  """Registers a mask sampler as estimator method ``name`` (``config.estimator.method``).
+
+  ``sampler(key, prompt_mask [B, L] bool, completion_mask [B, L] bool, num_samples, *, ...)``
+  returns a :class:`MaskSample`; its keyword-only arguments are the method's options, which the
+  config sets through the ``config.estimator`` fields of the same names (``method_options``).
+  Everything else (validation, the likelihood spec, the sweeps) consults this registry.
+  """
+  if name in _METHODS:
+    raise ValueError(f"estimator method {name!r} is already registered")
+  _METHODS[name] = sampler
+  return sampler
+
+
+def unregister_method(name: str) -> None:
+  """Removes a registered method (for tests that register their own)."""
+  _METHODS.pop(name)
+
+
+def methods() -> tuple[str, ...]:
+  """The registered estimator methods."""
+  return tuple(_METHODS)
+
+
+def method_options(method: str) -> tuple[str, ...]:
+  """The options ``method``'s mask sampler takes: its keyword-only arguments."""
+  params = inspect.signature(_METHODS[method]).parameters.values()
+  return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+register_method("mean_field", _mean_field_masks)
+register_method("elbo", _elbo_masks)
+register_method("block_random", _block_random_masks)
+register_method("block_random_unbiased", _block_random_unbiased_masks)
+register_method("espo_elbo", _espo_elbo_masks)
 
 
 def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
@@ -405,7 +442,7 @@ def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
     key: PRNG key; the same key gives the same masks (coupled ratios).
     prompt_mask: [B, L] bool, prompt tokens.
     completion_mask: [B, L] bool, completion tokens that count (no padding).
-    method: a name in ``MASK_SAMPLERS``.
+    method: a registered method (``methods()``).
     num_samples: K.
     **options: method options (``prompt_mask_prob``, ``schedule``,
       ``coupled``, ``block_length``).
@@ -413,14 +450,13 @@ def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
   Returns:
     A :class:`MaskSample` with R = K rows (2K for coupled ELBO masks).
   """
-  if method not in MASK_SAMPLERS:
-    raise ValueError(f"Unknown estimator method {method!r}; choose one of "
-                     f"{sorted(MASK_SAMPLERS)}.")
+  if method not in _METHODS:
+    raise ValueError(f"Unknown estimator method {method!r}; choose one of {methods()}.")
   if num_samples < 1:
     raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
   chex.assert_rank(prompt_mask, 2)
   chex.assert_equal_shape([prompt_mask, completion_mask])
-  return MASK_SAMPLERS[method](key, prompt_mask.astype(bool),
+  return _METHODS[method](key, prompt_mask.astype(bool),
                                completion_mask.astype(bool), num_samples, **options)
 
 
@@ -506,7 +542,7 @@ def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
     prompt_mask: [B, L] bool, prompt tokens x.
     completion_mask: [B, L] bool, completion tokens y that count (no padding).
     key: PRNG key (unused when ``masks`` is given).
-    method: a name in ``MASK_SAMPLERS``.
+    method: a registered method (``methods()``).
     mask_id: the mask token id.
     num_samples: K Monte Carlo samples, scored in one batched forward pass.
     normalize: 'sum' (log-likelihood) or 'mean' (per completion token).
@@ -639,3 +675,58 @@ def select_masks(selected: Array, when_selected: MaskSample,
     return jnp.where(sel, a, b)
 
   return jax.tree.map(pick, when_selected, otherwise)
+
+
+# ---------------------------------------------------------------------------
+# How a model family's likelihoods are estimated.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Likelihood:
+  """How the sequence likelihoods of one kind of model are estimated.
+
+  A model family's record (``models.Family.likelihood``) holds one; ``training/rl_loss.py``
+  consults only it. ``spec`` is the run's ``rl_loss.LikelihoodSpec`` (method, num_samples,
+  options, mask_id, normalize, block_size, scored_suffix).
+
+  Attributes:
+    methods: () -> the ``config.estimator.method`` values it takes.
+    options: method -> the ``config.estimator`` fields that method takes.
+    masks: (key, prompt_mask [B, L], completion_mask [B, L], spec) -> masks [R, B, L].
+    stress_masks: (prompt_mask, completion_mask, spec, *, mode, rate, num_rows) -> the stress
+      test's biased masks ('easy' or 'hard', docs/stress_test.md), ``num_rows`` rows.
+    estimate: (logits_fn, tokens [B, L], prompt_mask, completion_mask, attention_mask, masks,
+      spec) -> an estimate with ``value`` [B], ``token_logp`` [R, B, L] and ``masks``.
+  """
+
+  methods: Callable[[], tuple[str, ...]]
+  options: Callable[[str], tuple[str, ...]]
+  masks: Callable[..., Any]
+  stress_masks: Callable[..., Any]
+  estimate: Callable[..., Any]
+
+
+def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array, spec: Any) -> MaskSample:
+  return sample_masks(key, prompt_mask, completion_mask, method=spec.method,
+                      num_samples=spec.num_samples, **dict(spec.options))
+
+
+def _spec_stress_masks(prompt_mask: Array, completion_mask: Array, spec: Any, *, mode: str,
+                       rate: float, num_rows: int) -> MaskSample:
+  del spec
+  return stress_masks(prompt_mask, completion_mask, mode=mode, rate=rate, num_samples=num_rows)
+
+
+def _spec_estimate(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
+                   completion_mask: Array, attention_mask: Array, masks: MaskSample,
+                   spec: Any) -> Estimate:
+  del attention_mask  # Bound into logits_fn by the family's likelihood_fn.
+  return estimate_logp(logits_fn, tokens, prompt_mask, completion_mask, None,
+                       method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize,
+                       masks=masks, return_details=True, suffix=spec.scored_suffix)
+
+
+# A full-attention masked diffusion model (LLaDA): the registered methods and their options.
+FULL_ATTENTION = Likelihood(methods=methods, options=method_options, masks=_spec_masks,
+                            stress_masks=_spec_stress_masks, estimate=_spec_estimate)

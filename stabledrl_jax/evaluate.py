@@ -43,7 +43,8 @@ from absl import app, flags, logging
 
 from stabledrl_jax import models, scoring, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
-from stabledrl_jax.training import mesh as mesh_lib, model_family, multihost
+from stabledrl_jax.models import family as family_lib
+from stabledrl_jax.training import mesh as mesh_lib, multihost
 
 D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
 # The d1 test sets (docs/tasks.md) that are files; gsm8k and math500 come from the Hub.
@@ -419,7 +420,7 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   key = jax.random.key(options.seed)
   for name in names:
     task_style = block_aligned(style, tokenizer, tasks.get_task(name), test_sets[name],
-                               model_family.block_size(model.config), settings)
+                               family_lib.block_size(model), settings)
     for setting in settings:
       generate_shards(model, tokenizer, tasks.get_task(name), test_sets[name], setting,
                       output_dir=options.output_dir, model_name=model_name, mesh=mesh, key=key,

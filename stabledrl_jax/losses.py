@@ -533,7 +533,7 @@ class Objective:
     requires: names of ``ObjectiveInputs`` fields that must be set.
     normalize: the likelihood normalization it expects, 'sum' or 'mean'.
     estimator: ``estimator(hparams) -> dict``, the official likelihood settings: ``method`` (an
-      ``estimators.MASK_SAMPLERS`` name), ``num_samples``, ``coupled_ratio`` (l_old on each
+      estimator method, ``estimators.methods()``), ``num_samples``, ``coupled_ratio`` (l_old on each
       inner iteration's own masks) and mask-sampler options. A config field left unset takes
       these.
     baseline: the advantage baseline of its official code (``ADVANTAGE_BASELINES``).

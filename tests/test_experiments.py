@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from stabledrl_jax import models
-from stabledrl_jax.models import flops
+from stabledrl_jax.models.llada import flops
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

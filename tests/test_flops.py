@@ -1,4 +1,4 @@
-"""The matmul FLOP count of `models.flops` against XLA's own count of the compiled computation."""
+"""The matmul FLOP count of `models.llada.flops` against XLA's own count of the compiled computation."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import models
-from stabledrl_jax.models import flops
+from stabledrl_jax.models.llada import flops
 
 
 def xla_flops(fn, *args) -> float:

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import block_estimators, models
-from stabledrl_jax.training import data, metrics_writer, model_family, rl_loss
+from stabledrl_jax.training import data, metrics_writer, rl_loss
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import supervised, train_step, trainer
 
@@ -53,7 +53,7 @@ def test_bad_family_fails_before_anything_is_built(tmp_path):
 def test_llada_override_names_size_an_sdar_model_and_unknown_fields_fail():
   config = sdar_config(**{"model.overrides.n_layers": 3, "model.overrides.head_dim": 8})
   tokenizer = data.make_tokenizer(config.tokenizer)
-  got = model_family.model_config(config, tokenizer)
+  got = specs.model_config(config, tokenizer)
   assert isinstance(got, models.SDARConfig)
   assert (got.hidden_size, got.num_attention_heads, got.num_key_value_heads,
           got.num_hidden_layers, got.intermediate_size, got.head_dim) == (64, 4, 2, 3, 128, 8)
@@ -71,7 +71,7 @@ def test_llada_override_names_size_an_sdar_model_and_unknown_fields_fail():
 
 def test_shipped_sdar_configs():
   quick = load_config("sdar_tiny_quickstart")
-  assert model_family.named_block_size(quick) == 8
+  assert specs.model_config(quick).block_size == 8
   paper = load_config("sdar8b_math")
   assert (paper.model.family, paper.model.name, paper.tokenizer.kind) == ("sdar", "sdar_8b",
                                                                           "sdar")
@@ -127,11 +127,10 @@ def test_every_objective_updates_an_sdar_model(objective, extra):
   config = sdar_config(**{"objective.name": objective, "estimator.stress.fraction": 0.5,
                           **extra})
   specs.validate(config)
-  model_config = model_family.model_config(config, data.make_tokenizer(config.tokenizer))
+  model_config = specs.model_config(config, data.make_tokenizer(config.tokenizer))
   model = models.init_model(model_config.replace(num_hidden_layers=1), seed=0)
   graphdef, params = nnx.split(model, nnx.Param)
-  spec = specs.likelihood_spec(config, model_config.mask_token_id,
-                                    block_size=model_config.block_size)
+  spec = specs.likelihood_spec(config, model_config)
   assert spec.block_size == 4
   batch = _sdar_batch(model_config)
   old = jax.jit(functools.partial(
@@ -161,7 +160,7 @@ def test_sdar_stress_masks_differ_only_on_the_stressed_samples():
   stressed = np.asarray(batch.stressed)
   spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="sum", token_level=False,
                                 eubo_beta=1.5, mask_id=model_config.mask_token_id,
-                                stress_rates=(0.1, 1.0), block_size=4)
+                                stress_rates=(0.1, 1.0), family="sdar", block_size=4)
   @nnx.jit
   def estimates(model):  # One compilation for the three.
     logits_fn = rl_loss.model_logits_fn(model, batch.attention_mask)

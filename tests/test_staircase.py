@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stabledrl_jax.models import layers, staircase
+from stabledrl_jax.models import layers
+from stabledrl_jax.models.sdar import staircase
 
 
 def rule(q, k, n, block_size, num_samples):

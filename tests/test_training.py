@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import estimators, losses, models
-from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer, model_family
+from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss
 from stabledrl_jax.training import sweep, train_step, trainer
@@ -102,9 +102,9 @@ def test_scan_layers_reaches_the_model_config(family):
   config = tiny_config(**{"model.scan_layers": True, "model.family": family})
   specs.validate(config, num_devices=1)
   tokenizer = data.make_tokenizer(config.tokenizer)
-  assert model_family.model_config(config, tokenizer).scan_layers
+  assert specs.model_config(config, tokenizer).scan_layers
   config.model.scan_layers = False
-  assert not model_family.model_config(config, tokenizer).scan_layers
+  assert not specs.model_config(config, tokenizer).scan_layers
 
 
 def test_token_level_grpo_needs_mean_field():
@@ -704,7 +704,7 @@ def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed
   config = tiny_config(**{"model.dtype": "bfloat16", "model.param_dtype": param_dtype,
                           "optimizer.learning_rate": 2e-6, "optimizer.weight_decay": 0.1,
                           "optimizer.grad_clip": 0.2, "objective.name": "stabledrl"})
-  model = models.init_model(model_family.model_config(config), seed=0)
+  model = models.init_model(specs.model_config(config), seed=0)
   graphdef, params = nnx.split(model, nnx.Param)
   params = jax.tree.map(  # Matrices of std 0.02 (norm scales stay 1), stored in param_dtype.
       lambda p, k: (0.02 * jax.random.normal(k, p.shape)).astype(p.dtype) if p.ndim > 1 else p,
@@ -726,7 +726,7 @@ def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed
       attention_mask=jnp.ones((n, length), bool),
       advantages=jnp.tile(jnp.array([1.0, -1.0]), n // 2), old_logp=jnp.zeros(n),
       ref_logp=jnp.zeros(n))
-  spec = specs.likelihood_spec(config, model.config.mask_token_id)
+  spec = specs.likelihood_spec(config, model.config)
   new_state, metrics = jax.jit(functools.partial(
       train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
       hparams=specs.objective_hparams(config), group_size=config.rollout.group_size,

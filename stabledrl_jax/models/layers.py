@@ -28,6 +28,17 @@ AX_VOCAB, AX_EMBED, AX_MLP, AX_HEADS, AX_KV_HEADS, AX_NORM = (
     "vocab", "embed", "mlp", "heads", "kv_heads", "norm")
 
 
+def float_dtype(value: Any, field: str):
+  """A model config's dtype field as a floating dtype; ValueError naming ``field`` otherwise."""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as err:
+    raise ValueError(f"{field}: {value!r} is not a dtype") from err
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{field} must be a floating dtype, got {dtype}")
+  return dtype
+
+
 def annotated_param(key: Array, shape: tuple[int, ...], *, std: float | None, dtype: Any,
                     axes: tuple[str, ...]) -> nnx.Param:
   """A parameter ~ N(0, std^2) truncated at 3 std (ones if std is None), with axis names."""

@@ -26,8 +26,9 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import models, tokenizers
+from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import hf_io
-from stabledrl_jax.training import checkpointing, config_lib, data, model_family, trainer
+from stabledrl_jax.training import checkpointing, config_lib, data, specs, trainer
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
@@ -165,7 +166,7 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
   if source.kind == HUGGING_FACE and os.path.isfile(os.path.join(source.path, "tokenizer.json")):
     return _hf_tokenizer(source.path, source)
   if source.config is not None:
-    if source.config.tokenizer.kind == "llada" and not os.path.exists(
+    if source.config.tokenizer.kind != "char" and not os.path.exists(
         source.config.tokenizer.path):
       raise ValueError(f"the workdir's tokenizer {source.config.tokenizer.path!r} does not "
                        "exist here; pass the tokenizer.json explicitly")
@@ -176,14 +177,14 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
 
 def _hf_tokenizer(path: str, source: CheckpointSource):
   """A tokenizer.json with the conventions (chat template, special tokens) of the checkpoint's
-  model family: SDAR's for an SDAR checkpoint, else LLaDA's."""
-  family = "llada"
+  model family (``Family.tokenizer``): its config.json's, or its workdir's ``model.family``;
+  LLaDA's for a bare tokenizer.json."""
+  family = family_lib.get("llada")
   if source.kind == HUGGING_FACE:
-    family = model_family.of(models.load_config(source.path)).name
+    family = family_lib.of(models.load_config(source.path))
   elif source.config is not None:
-    family = source.config.model.family
-  return tokenizers.HFTokenizer.sdar(path) if family == "sdar" else tokenizers.HFTokenizer.llada(
-      path)
+    family = family_lib.get(source.config.model.family)
+  return family.tokenizer(path)
 
 
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
@@ -192,12 +193,12 @@ def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
     return models.load_config(config.model.checkpoint, dtype=dtype, param_dtype=dtype)
-  return dataclasses.replace(model_family.model_config(config), dtype=dtype,
+  return dataclasses.replace(specs.model_config(config), dtype=dtype,
                              param_dtype=dtype, remat=False)
 
 
 def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> Any:
-  """The model of ``source`` (LLaDA or SDAR, ``model_family``) in ``dtype`` (parameters and
+  """The model of ``source`` (of any registered family) in ``dtype`` (parameters and
   compute), sharded over ``mesh``."""
   if source.kind == HUGGING_FACE:
     return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)

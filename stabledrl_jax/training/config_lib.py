@@ -30,7 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
       name="tiny",
       checkpoint="",  # Hugging Face checkpoint directory; '' = random init (or the SFT start)
       # Fields of the family's config (ModelConfig / SDARConfig); the shapes both have may use
-      # either family's name (d_model or hidden_size, ...: training/model_family.py).
+      # either family's name (d_model or hidden_size, ...: models.family.Family.aliases).
       overrides=ml_collections.ConfigDict(),
       dtype="float32",  # compute dtype of activations
       param_dtype="float32",
@@ -83,8 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
       wd1=ml_collections.ConfigDict(),
   ))
   # Every field left unset (None, or '') takes the value of the objective's official code
-  # (``estimator_settings``): method (a name of estimators.MASK_SAMPLERS), num_samples (K),
-  # normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's own masks, as d1 and ESPO;
+  # (``estimator_settings``): method (one the model family takes: estimators.methods() for
+  # LLaDA), num_samples (K), normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's own masks, as d1 and ESPO;
   # else once per rollout on independent masks, as StableDRL) and the mask sampler's options.
   # For SDAR the methods are block estimators (rl_loss's docstring): elbo and block_random the
   # block ELBO, mean_field whole blocks masked; block_length, prompt_mask_prob and schedule

@@ -14,19 +14,18 @@ import ml_collections
 import numpy as np
 
 from stabledrl_jax import tasks, tokenizers
+from stabledrl_jax.models import family
 
 
 def make_tokenizer(config: ml_collections.ConfigDict):
-  """``config.tokenizer``: kind 'char' (with ``alphabet``), 'llada' or 'sdar' (``path`` to
-  tokenizer.json)."""
+  """``config.tokenizer``: kind 'char' (with ``alphabet``), or a model family's name, whose
+  conventions (``models.family.Family.tokenizer``) apply to the tokenizer.json at ``path``."""
   if config.kind == "char":
     return tokenizers.CharTokenizer(config.alphabet or tokenizers.DEFAULT_ALPHABET)
-  if config.kind == "llada":
-    return tokenizers.HFTokenizer.llada(config.path)
-  if config.kind == "sdar":
-    return tokenizers.HFTokenizer.sdar(config.path)
-  raise ValueError(f"config.tokenizer.kind must be 'char', 'llada' or 'sdar', got "
-                   f"{config.kind!r}.")
+  if config.kind not in family.names():
+    raise ValueError(f"config.tokenizer.kind: {config.kind!r} is not 'char' or one of the "
+                     f"model families {family.names()}")
+  return family.get(config.kind).tokenizer(config.path)
 
 
 def format_prompt(tokenizer, task: tasks.Task, example: tasks.Example, *,

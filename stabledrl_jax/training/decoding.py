@@ -4,7 +4,7 @@ The trainer's periodic evaluation, ``python -m stabledrl_jax.evaluate`` and
 ``experiments/threshold_decoding.py`` all decode through ``generate_batches``: prompts in
 batches of ``batch_size``, each padded to a multiple of the mesh's data-parallel size (copies of
 its last row, dropped after), split over the mesh, decoded by the model family's sampler
-(``model_family.generate``), with the batch's noise drawn from ``fold_in(key, batch)``. On a
+(``models.family.generate``), with the batch's noise drawn from ``fold_in(key, batch)``. On a
 mesh that spans several processes each process decodes, and gets back, only its own rows.
 
 ``Decoding`` holds the sampler options with one set of defaults; ``steps=0`` means
@@ -22,7 +22,8 @@ import numpy as np
 import tqdm
 
 from stabledrl_jax import models, sampling
-from stabledrl_jax.training import data, mesh as mesh_lib, model_family, multihost
+from stabledrl_jax.models import family as family_lib
+from stabledrl_jax.training import data, mesh as mesh_lib, multihost
 
 
 def default_steps(gen_length: int, block_length: int) -> int:
@@ -33,7 +34,7 @@ def default_steps(gen_length: int, block_length: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-  """One decoding setup of the samplers (``model_family.generate``).
+  """One decoding setup of the samplers (``models.family.generate``).
 
   Attributes:
     gen_length: completion tokens G.
@@ -94,7 +95,7 @@ def generate(model: Any, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: 
              decoding: Decoding) -> tuple[jax.Array, jax.Array]:
   """Completions of left-padded prompts [B, P] by the model's sampler: tokens [B, P + G] and the
   model calls each row needed [B]."""
-  return model_family.generate(model, prompt_tokens, prompt_mask, key, **dataclasses.asdict(
+  return family_lib.generate(model, prompt_tokens, prompt_mask, key, **dataclasses.asdict(
       decoding))
 
 

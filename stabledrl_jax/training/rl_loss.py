@@ -3,9 +3,11 @@
 Pure functions of (logits function, arrays, PRNG key, static specs). The model
 enters only through ``logits_fn``; the trainer supplies it from NNX parameters.
 
-A block diffusion model (SDAR; ``LikelihoodSpec.block_size`` set) is scored by
-the block estimators of ``block_estimators.py``, ``logits_fn`` being its
-staircase function. The estimator names keep their meaning by analogy:
+The likelihoods are estimated the way the model's family says (``LikelihoodSpec.family`` names
+it; its record's ``likelihood`` is an ``estimators.Likelihood``): the Monte Carlo estimators of
+``estimators.py`` for a full-attention model (LLaDA), ``logits_fn`` its logits; the block
+estimators of ``block_estimators.py`` for a block diffusion model (SDAR), ``logits_fn`` its
+staircase function. The estimator names keep their meaning by analogy for a block model:
 
 * 'elbo': the block ELBO, every block scored in one staircase pass (count form).
 * 'block_random': the same. SPG's block_random scores one random block, the earlier
@@ -31,8 +33,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import block_estimators, estimators, losses
-from stabledrl_jax.training import model_family
+from stabledrl_jax import estimators, losses
+from stabledrl_jax.models import family as family_lib
 
 Array = jax.Array
 
@@ -76,8 +78,9 @@ class LikelihoodSpec:
     options: sorted (name, value) pairs for the estimator's mask sampler.
     stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
       (numerator) and "hard" (denominator) masks; None: no stress test.
-    block_size: the block size of a block diffusion model, whose likelihoods are
-      block estimates (see the module docstring); None: a full-attention model.
+    family: the model family (``config.model.family``), whose record says how its
+      likelihoods are estimated (see the module docstring).
+    block_size: the block size of a block diffusion model; None: full attention.
     scored_suffix: full attention: every completion lies in the last ``scored_suffix``
       positions (prompts left-padded to one length), so the model computes logits there
       alone (``estimators.token_logprobs``); None: at every position.
@@ -91,45 +94,23 @@ class LikelihoodSpec:
   mask_id: int
   options: tuple[tuple[str, Any], ...] = ()
   stress_rates: tuple[float, float] | None = None
+  family: str = "llada"
   block_size: int | None = None
   scored_suffix: int | None = None
 
 
 def model_logits_fn(model: Callable[..., Array],
                     attention_mask: Array) -> Callable[..., Array]:
-  """The model as ``estimate`` sees it, the [B, L] attention mask bound.
-
-  Full attention (LLaDA): tokens [B * R, L] -> logits, the mask repeated for each
-  sequence's R mask rows (``suffix=n``: the last n positions' logits only). Block diffusion (SDAR): its staircase function. See ``model_family``.
-  """
-  return model_family.likelihood_fn(model, attention_mask)
+  """The model as ``estimate`` sees it, the [B, L] attention mask bound: its family's
+  ``likelihood_fn`` (LLaDA: tokens [B * R, L] -> logits; SDAR: its staircase function)."""
+  return family_lib.likelihood_fn(model, attention_mask)
 
 
-def _block_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
-                 stress_mode: str | None) -> block_estimators.BlockMaskSample:
-  """``estimator_masks`` of a block diffusion model: block ELBO or block mean-field masks.
-
-  Stress test, per block of L_j completion tokens: "easy" masks only the last
-  ceil(easy_rate L_j), "hard" the first ceil(hard_rate L_j) (all of them at rate 1).
-  """
-  if spec.method == "mean_field":
-    masks = block_estimators.fixed_block_masks(batch.completion_mask, block_size=spec.block_size)
-  else:
-    masks = block_estimators.sample_block_masks(
-        key, batch.completion_mask, block_size=spec.block_size, num_samples=spec.num_samples,
-        **dict(spec.options))
-  if stress_mode is not None and spec.stress_rates is not None:
-    easy = stress_mode == "easy"
-    stress = block_estimators.fixed_block_masks(
-        batch.completion_mask, block_size=spec.block_size,
-        rate=spec.stress_rates[0] if easy else spec.stress_rates[1],
-        position="tail" if easy else "head", num_samples=masks.num_rows)
-    masks = estimators.select_masks(batch.stressed, stress, masks)
-  return masks
+def _likelihood(spec: LikelihoodSpec) -> estimators.Likelihood:
+  return family_lib.get(spec.family).likelihood
 
 
-def _logp_and_eubo(details: estimators.Estimate | block_estimators.BlockEstimate,
-                   spec: LikelihoodSpec) -> tuple[Array, Array | None]:
+def _logp_and_eubo(details: Any, spec: LikelihoodSpec) -> tuple[Array, Array | None]:
   """What ``estimate`` returns, from the scored masks and their token log-probs."""
   if spec.token_level:
     scored = details.masks.scored.astype(jnp.float32)
@@ -144,35 +125,31 @@ def _logp_and_eubo(details: estimators.Estimate | block_estimators.BlockEstimate
 
 
 def estimator_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
-                    stress_mode: str | None = None
-                    ) -> estimators.MaskSample | block_estimators.BlockMaskSample:
+                    stress_mode: str | None = None) -> Any:
   """The masks of one estimate: fresh ones from ``key``, or stress-test ones.
 
   Args:
     stress_mode: 'easy' (the numerator l_theta) or 'hard' (the denominator
       l_old): with ``spec.stress_rates`` set, the ``batch.stressed`` samples
-      get the stress test's biased masks of that mode instead of fresh ones.
-      None: fresh masks for every sample.
+      get the stress test's biased masks of that mode instead of fresh ones
+      (rates ``stress_rates[0]`` and ``[1]``). None: fresh masks for every sample.
 
   Returns:
-    [R, B, L] masks; block masks for a block diffusion model (``spec.block_size``).
+    [R, B, L] masks of the family's estimator.
   """
-  if spec.block_size is not None:
-    return _block_masks(batch, key, spec, stress_mode)
-  masks = estimators.sample_masks(key, batch.prompt_mask, batch.completion_mask,
-                                  method=spec.method, num_samples=spec.num_samples,
-                                  **dict(spec.options))
+  likelihood = _likelihood(spec)
+  masks = likelihood.masks(key, batch.prompt_mask, batch.completion_mask, spec)
   if stress_mode is not None and spec.stress_rates is not None:
     rate = spec.stress_rates[0] if stress_mode == "easy" else spec.stress_rates[1]
-    stress = estimators.stress_masks(batch.prompt_mask, batch.completion_mask,
-                                     mode=stress_mode, rate=rate, num_samples=masks.num_rows)
+    stress = likelihood.stress_masks(batch.prompt_mask, batch.completion_mask, spec,
+                                     mode=stress_mode, rate=rate, num_rows=masks.num_rows)
     masks = estimators.select_masks(batch.stressed, stress, masks)
   return masks
 
 
-def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array | None,
+def estimate(logits_fn: Callable[..., Array], batch: RolloutBatch, key: Array | None,
              spec: LikelihoodSpec, stress_mode: str | None = None,
-             masks: estimators.MaskSample | None = None) -> tuple[Array, Array | None]:
+             masks: Any = None) -> tuple[Array, Array | None]:
   """Likelihood estimates of the batch's completions.
 
   Args:
@@ -187,16 +164,8 @@ def estimate(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Arra
   """
   if masks is None:
     masks = estimator_masks(batch, key, spec, stress_mode)
-  if spec.block_size is not None:  # logits_fn is the model's staircase function.
-    details = block_estimators.estimate_block_elbo(
-        logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
-        mask_id=spec.mask_id, block_size=spec.block_size, normalize=spec.normalize, masks=masks,
-        attention_mask=batch.attention_mask, return_details=True)
-  else:
-    details = estimators.estimate_logp(
-        logits_fn, batch.tokens, batch.prompt_mask, batch.completion_mask, key,
-        method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize, masks=masks,
-        return_details=True, suffix=spec.scored_suffix)
+  details = _likelihood(spec).estimate(logits_fn, batch.tokens, batch.prompt_mask,
+                                       batch.completion_mask, batch.attention_mask, masks, spec)
   return _logp_and_eubo(details, spec)
 
 

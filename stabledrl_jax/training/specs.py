@@ -2,19 +2,21 @@
 
 ``validate`` runs before anything is compiled and raises a ValueError naming the offending field.
 The estimator settings, the likelihood spec and the objective's hyperparameters are derived here
-from the config and the registries (``losses``, ``estimators``, ``model_family``), so that the
-config files themselves (``training/config_lib.py``) import nothing heavy.
+from the config and the registries (``losses`` for objectives, ``models.family`` for model families
+and, through a family's ``likelihood``, the estimator methods), so that the config files
+themselves (``training/config_lib.py``) import nothing heavy. ``model_config`` builds the config
+of a fresh model from ``config.model``.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import ml_collections
 
-from stabledrl_jax import estimators, losses, tasks
-from stabledrl_jax.training import model_family, rl_loss
+from stabledrl_jax import losses, tasks
+from stabledrl_jax.models import family as family_lib
+from stabledrl_jax.training import data, rl_loss
 
 # Estimator fields that, left unset (None or ''), take the objective's official value
 # (``losses.Objective.estimator``); ``block_length`` falls back to this.
@@ -75,12 +77,6 @@ def estimator_method(config: ml_collections.ConfigDict) -> str:
   return estimator_settings(config)["method"]
 
 
-def sampler_options(method: str) -> tuple[str, ...]:
-  """The keyword options of ``method``'s mask sampler (estimators.MASK_SAMPLERS)."""
-  params = inspect.signature(estimators.MASK_SAMPLERS[method]).parameters.values()
-  return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
 def uses_reference(config: ml_collections.ConfigDict) -> bool:
   """Whether the objective, with these hyperparameters, needs a frozen reference policy."""
   return losses.get_objective(config.objective.name).uses_reference(objective_params(config))
@@ -91,37 +87,46 @@ def advantage_baseline(config: ml_collections.ConfigDict) -> str:
           or losses.get_objective(config.objective.name).baseline)
 
 
-def check_block_layout(config: ml_collections.ConfigDict, block_size: int) -> None:
-  """A block diffusion model's rollouts fit its blocks, which are fixed by absolute position.
+def run_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Model config fields beyond dtypes and remat that the run sets: ``scan_layers``."""
+  return {"scan_layers": True} if config.model.get("scan_layers", False) else {}
 
-  The left-padded prompt and the completion must fill whole blocks (so that the sampler and the
-  block estimators see the same blocks, and no block mixes prompt and completion), and
-  ``rollout.steps`` must split evenly over the completion's blocks.
+
+def model_config(config: ml_collections.ConfigDict, tokenizer=None) -> Any:
+  """The config of a fresh model: ``model.name`` of ``model.family`` with its overrides.
+
+  ``model.overrides`` may name the shapes every family has in another family's spelling
+  (``Family.aliases``: ``configs/quickstart.py``'s LLaDA-style ``d_model``, ``n_heads``, ...
+  size an SDAR model too); a field the family does not have is a config error naming it.
+  A character tokenizer sets the vocabulary and the mask and EOS ids (``tokenizer``, or built
+  from ``config.tokenizer``: it needs no file); a Hugging Face tokenizer comes with a checkpoint,
+  whose config.json holds them.
   """
-  r = config.rollout
-  for field in ("prompt_length", "gen_length"):
-    _require(r[field] % block_size == 0, f"rollout.{field}",
-             f"{r[field]} is not a multiple of the model's block_size={block_size} (SDAR blocks "
-             f"are fixed by absolute position: prompt and completion must fill whole blocks)")
-  num_blocks = r.gen_length // block_size
-  _require(r.steps % num_blocks == 0, "rollout.steps",
-           f"{r.steps} is not a multiple of the number of completion blocks ({num_blocks} of "
-           f"the model's block_size={block_size})")
+  family = family_lib.get(config.model.family)
+  overrides = family_lib.resolve_overrides(family, dict(config.model.overrides))
+  overrides.update(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                   remat=config.model.remat, **run_options(config))
+  if config.tokenizer.kind == "char":
+    tokenizer = tokenizer or data.make_tokenizer(config.tokenizer)
+    overrides.update({field: tokenizer.vocab_size for field in family.vocab_fields})
+    overrides.update(mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
+  return family.get_config(config.model.name, **overrides)
 
 
-def _validate_model(config: ml_collections.ConfigDict) -> tuple[model_family.Family, int | None]:
-  """model.family, model.name and model.overrides; returns the family and its block size.
-
-  The block size is None for full attention, and for a checkpoint (known once it is loaded).
-  """
-  family = model_family.get(config.model.family)
-  model_family.resolve_overrides(family, dict(config.model.overrides))
+def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Family, Any]:
+  """model.family, model.name and model.overrides; returns the family and the named model's
+  config (None for a checkpoint, whose config is known once it is loaded)."""
+  family = family_lib.get(config.model.family)
+  family_lib.resolve_overrides(family, dict(config.model.overrides))
   if config.model.checkpoint:
     return family, None
   _require(config.model.name in family.config_names, "model.name",
            f"{config.model.name!r} is not a {family.name} config; choose from "
            f"{family.config_names} (or set model.family)")
-  return family, model_family.named_block_size(config)
+  try:
+    return family, model_config(config)
+  except ValueError as err:
+    raise ValueError(f"config.model.overrides: {err}") from None
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -129,26 +134,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   name = config.objective.name
   _require(name in losses.objective_names(), "objective.name",
            f"{name!r} is not one of {losses.objective_names()}")
-  family, block_size = _validate_model(config)
+  family, named = _validate_model(config)
   r = config.rollout
   for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
                 "block_length"):
     _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
              f"must be a positive integer, got {r[field]!r}")
-  if family.name == "llada":  # Semi-autoregressive blocks of the completion.
-    _require(r.gen_length % r.block_length == 0, "rollout.gen_length",
-             f"{r.gen_length} is not a multiple of rollout.block_length={r.block_length}")
-    num_blocks = r.gen_length // r.block_length
-    _require(r.steps % num_blocks == 0, "rollout.steps",
-             f"{r.steps} is not a multiple of the number of blocks ({num_blocks})")
-  elif block_size is not None:  # A checkpoint's is checked when it is loaded.
-    check_block_layout(config, block_size)
+  if named is not None:  # A checkpoint's layout is checked when it is loaded.
+    family.check_rollout(r, named)
   _require(r.temperature >= 0, "rollout.temperature", f"must be >= 0, got {r.temperature}")
   _require(r.remasking in family.remasking, "rollout.remasking",
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(0 < r.threshold <= 1, "rollout.threshold", f"must lie in (0, 1], got {r.threshold}")
   objective_params(config)  # Its own checks, naming the field.
-  _validate_estimator(config, block_size is not None or family.name != "llada")
+  _validate_estimator(config, family)
   stress = config.estimator.stress
   _require(0 <= stress.fraction <= 1, "estimator.stress.fraction",
            f"must lie in [0, 1] (0: off), got {stress.fraction}")
@@ -189,8 +188,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
   _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
            f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
-  _require(config.tokenizer.kind in ("char", "llada", "sdar"), "tokenizer.kind",
-           f"{config.tokenizer.kind!r} is not 'char', 'llada' or 'sdar'")
+  kinds = ("char",) + family_lib.names()
+  _require(config.tokenizer.kind in kinds, "tokenizer.kind",
+           f"{config.tokenizer.kind!r} is not one of {kinds} ('char' or a model family)")
   if num_devices is not None:
     from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
     try:
@@ -215,10 +215,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                f"{config.sft.batch_size} does not split over data x fsdp = {ways} devices")
 
 
-def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) -> None:
+def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Family) -> None:
   settings = estimator_settings(config)
-  method, methods = settings["method"], tuple(estimators.MASK_SAMPLERS)
-  _require(method in methods, "estimator.method", f"{method!r} is not one of {methods}")
+  likelihood = family.likelihood
+  method, methods = settings["method"], likelihood.methods()
+  _require(method in methods, "estimator.method",
+           f"{method!r} is not one of {methods} (model.family={family.name!r})")
   if token_level(config):
     _require(method == "mean_field", "estimator.method",
              "token-level GRPO scores every completion token, so it needs 'mean_field'")
@@ -229,13 +231,15 @@ def _validate_estimator(config: ml_collections.ConfigDict, block_model: bool) ->
   _require(0 <= settings.get("prompt_mask_prob", 0.0) <= 1, "estimator.prompt_mask_prob",
            "must lie in [0, 1]")
   _require(settings["block_length"] >= 1, "estimator.block_length", "must be >= 1")
-  if not block_model:  # A set option that the method does not take would be silently ignored.
-    taken = sampler_options(method)
-    for field in ("block_length", "prompt_mask_prob", "schedule", "coupled"):
-      value = config.estimator.get(field)
-      _require(value is None or value == "" or field in taken, f"estimator.{field}",
-               f"the {method!r} estimator takes no {field!r} (it takes {taken or 'none'}); "
-               f"unset it")
+  # A set option that the method does not take would be silently ignored.
+  taken = likelihood.options(method)
+  for field in _ESTIMATOR_FIELDS:
+    value = config.estimator.get(field)
+    if field in _OBJECTIVE_ESTIMATOR_FIELDS or field == "method":
+      continue
+    _require(value is None or value == "" or field in taken, f"estimator.{field}",
+             f"the {method!r} estimator of a {family.name} model takes no {field!r} (it takes "
+             f"{taken or 'none'}); unset it")
 
 
 def microbatch_groups_for(config: ml_collections.ConfigDict, ways: int) -> list[int]:
@@ -251,28 +255,26 @@ def num_microbatches(config: ml_collections.ConfigDict) -> int:
   return config.rollout.num_prompts // groups
 
 
-def likelihood_spec(config: ml_collections.ConfigDict, mask_id: int,
-                    block_size: int | None = None) -> rl_loss.LikelihoodSpec:
-  """The static estimator settings of the configured objective.
-
-  ``block_size``: that of a block diffusion model (its estimators: see ``rl_loss``), or None.
-  """
+def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any) -> rl_loss.LikelihoodSpec:
+  """The static estimator settings of the configured objective for a model of ``model_config``
+  (its family estimates the likelihoods: see ``rl_loss``)."""
   name = config.objective.name
   settings = estimator_settings(config)
   method, e = settings["method"], config.estimator
-  if block_size is not None:  # The block ELBO takes only `coupled`; its mean field nothing.
-    options = {} if method == "mean_field" else {"coupled": bool(settings.get("coupled"))}
-  else:
-    options = {k: settings[k] for k in sampler_options(method) if k in settings}
+  family = family_lib.of(model_config)
+  options = {k: settings[k] for k in family.likelihood.options(method) if k in settings}
+  if "coupled" in options:
+    options["coupled"] = bool(options["coupled"])
   stress_rates = None
   if e.stress.fraction > 0:
     stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
   objective, params = losses.get_objective(name), objective_params(config)
+  block_size = family.block_size(model_config)
   return rl_loss.LikelihoodSpec(
       method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
       token_level=objective.token_level(params), eubo_beta=objective.eubo_beta(params),
-      mask_id=mask_id,
-      options=tuple(sorted(options.items())), stress_rates=stress_rates, block_size=block_size,
+      mask_id=model_config.mask_token_id, options=tuple(sorted(options.items())),
+      stress_rates=stress_rates, family=family.name, block_size=block_size,
       # Completions fill the last gen_length positions of every rollout row.
       scored_suffix=config.rollout.gen_length if block_size is None else None)
 

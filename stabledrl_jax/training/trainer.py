@@ -16,8 +16,8 @@ The step's PRNG key is ``fold_in(run_key, step)``; with the data-iterator
 state in the checkpoint, a resumed run repeats the uninterrupted one exactly.
 
 The loop is the same for every model family (``config.model.family``): the
-sampler, the model's likelihood function and the model config come from
-``model_family``, the estimators from ``rl_loss`` by the spec's block size.
+sampler, the likelihood function and estimators, and the stop tokens come from the family's
+record (``models.family``), the model config from ``specs.model_config``.
 
 Several processes (a TPU pod, GPU nodes; docs/pods.md) run the same loop on global arrays.
 Every process draws the same global batch of prompts and keeps the groups whose rows live on
@@ -50,7 +50,7 @@ from jax.experimental import multihost_utils
 from stabledrl_jax import estimators, losses, models, sampling, tasks
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
-from stabledrl_jax.training import metrics_writer, model_family, multihost
+from stabledrl_jax.training import metrics_writer, multihost
 from stabledrl_jax.training import optimizer as optimizer_lib
 from stabledrl_jax.training import reward_pool, rl_loss, supervised, train_step
 
@@ -70,11 +70,11 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LL
   not fit the rollout layout.
   """
   if not config.model.checkpoint:
-    model_config = model_family.model_config(config, tokenizer)
+    model_config = specs.model_config(config, tokenizer)
     return models.init_model(model_config, seed=config.seed, mesh=mesh)
   model = models.from_pretrained(config.model.checkpoint, mesh=mesh, **_dtypes(config),
                                  remat=config.model.remat,
-                                 **model_family.run_options(config))
+                                 **specs.run_options(config))
   return _check_loaded(config, model, config.model.checkpoint)
 
 
@@ -86,14 +86,13 @@ def _dtypes(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: str) -> nnx.Module:
-  """A loaded model is of ``model.family`` and, for block diffusion, fits the rollout layout."""
-  found = model_family.of(model).name
+  """A loaded model is of ``model.family`` and its sampler can decode the rollout layout."""
+  family = models.family.of(model)
+  found = family.name
   if found != config.model.family:
     raise ValueError(f"config.model.family: {config.model.family!r}, but {path} holds a "
                      f"{found} model")
-  block_size = model_family.block_size(model.config)
-  if block_size is not None:
-    specs.check_block_layout(config, block_size)
+  family.check_rollout(config.rollout, model.config)
   return model
 
 
@@ -195,7 +194,7 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
     ``TrainState``, a ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
   """
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  model_cfg = model_family.model_config(config)
+  model_cfg = specs.model_config(config)
   graphdef, params = nnx.split(
       nnx.eval_shape(lambda: models.init_model(model_cfg, seed=config.seed)), nnx.Param)
   params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
@@ -208,8 +207,7 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(lambda p: train_step.create_train_state(p, tx, config.seed),
                                       params), shardings)
-  spec = specs.likelihood_spec(config, model_cfg.mask_token_id,
-                                    block_size=model_family.block_size(model_cfg))
+  spec = specs.likelihood_spec(config, model_cfg)
   r = config.rollout
   n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
   rows = models.batch_sharding(mesh, ndim=1)
@@ -288,8 +286,7 @@ class Trainer:
       self.start_step = int(state.step)
     self.state = state
 
-    self.spec = specs.likelihood_spec(config, self.model_config.mask_token_id,
-                                           block_size=model_family.block_size(self.model_config))
+    self.spec = specs.likelihood_spec(config, self.model_config)
     self.spec_settings = specs.estimator_settings(config)
     objective = losses.get_objective(config.objective.name)
     self.needs_old = "old_logp" in objective.requires
@@ -341,7 +338,7 @@ class Trainer:
   def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
     """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""
     return np.asarray(sampling.completion_mask(tokens, self.config.rollout.prompt_length,
-                                               model_family.stop_ids(self.model_config)))
+                                               models.family.stop_ids(self.model_config)))
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, completion: np.ndarray,
                  advantages: np.ndarray, stressed: np.ndarray | None = None, *,

@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from stabledrl_jax.models.config import _as_float_dtype
+from stabledrl_jax.models import layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,8 @@ class SDARConfig:
     if not self.rms_norm_eps > 0:
       raise ValueError(f"SDARConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
     for name in ("param_dtype", "dtype", "logits_dtype"):
-      object.__setattr__(self, name, _as_float_dtype(getattr(self, name), name))
+      object.__setattr__(self, name,
+                         layers.float_dtype(getattr(self, name), f"SDARConfig.{name}"))
 
   @property
   def embedding_size(self) -> int:

@@ -27,8 +27,8 @@ The model is used in three ways, which differ only in which keys each query sees
 Module attributes follow the Qwen3 / SDAR checkpoint names (`embed_tokens`, `layers.{i}.self_attn.
 {q,k,v,o}_proj`, `q_norm`, `k_norm`, `input_layernorm`, `post_attention_layernorm`, `norm`,
 `lm_head`); the MLP is the shared SwiGLU `layers.MLP`, whose ff_proj / up_proj / ff_out are
-gate_proj / up_proj / down_proj (`hf_io.py` has the table). Every parameter carries logical axis
-names from `sharding.py`, as in LLaDA.
+gate_proj / up_proj / down_proj (`checkpoint.py` has the table). Every parameter carries
+logical axis names from `sharding.py`, as in LLaDA.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from flax import nnx
 
 from stabledrl_jax.models import layers
 from stabledrl_jax.models import scan as scan_lib
-from stabledrl_jax.models import staircase as staircase_lib
-from stabledrl_jax.models.sdar_config import SDARConfig
+from stabledrl_jax.models.sdar import staircase as staircase_lib
+from stabledrl_jax.models.sdar.config import SDARConfig
 from stabledrl_jax.models.sharding import constrain
 
 Array = jax.Array

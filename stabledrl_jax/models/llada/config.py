@@ -13,15 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-
-def _as_float_dtype(value: Any, field: str) -> np.dtype:
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError as err:
-    raise ValueError(f"ModelConfig.{field}: {value!r} is not a dtype") from err
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"ModelConfig.{field} must be a floating dtype, got {dtype}")
-  return dtype
+from stabledrl_jax.models import layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +92,8 @@ class ModelConfig:
     if not self.rms_norm_eps > 0:
       raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
     for name in ("param_dtype", "dtype", "logits_dtype"):
-      object.__setattr__(self, name, _as_float_dtype(getattr(self, name), name))
+      object.__setattr__(self, name,
+                         layers.float_dtype(getattr(self, name), f"ModelConfig.{name}"))
 
   @property
   def head_dim(self) -> int:

@@ -20,7 +20,7 @@ from flax import nnx
 
 from stabledrl_jax.models import layers
 from stabledrl_jax.models import scan as scan_lib
-from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.llada.config import ModelConfig
 from stabledrl_jax.models.sharding import constrain
 
 Array = jax.Array

@@ -29,7 +29,7 @@ blocks (`REMAT_MULTIPLIER`), the head stays 3x.
 
 from __future__ import annotations
 
-from stabledrl_jax.models.config import ModelConfig
+from stabledrl_jax.models.llada.config import ModelConfig
 
 TRAIN_MULTIPLIER = 3
 REMAT_MULTIPLIER = 4

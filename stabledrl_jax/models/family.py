@@ -1,0 +1,200 @@
+"""Model families: one record per family, and the registry everything else consults.
+
+A family (LLaDA, SDAR) is one folder under ``models/`` whose ``__init__.py`` registers a
+:class:`Family`. The record owns everything that differs between families: the config class and
+its named configs, the NNX module, the Hugging Face checkpoint layout (:class:`Checkpoint`), the
+tokenizer conventions, the sampler, the likelihood function and estimators, and the rollout layout
+check. The trainer, the estimators (``training/rl_loss.py``), the evaluation harness, checkpoint
+IO (``hf_io``) and the memory plan look a family up here (``get(name)`` by
+``config.model.family``, ``of(config_or_model)``, ``by_model_type(config.json's model_type)``)
+and never ask which family they run.
+
+Adding a family: a folder ``models/<name>/`` with its config, module and checkpoint names, whose
+``__init__.py`` calls ``register(Family(...))``, and one import in ``models/__init__.py``
+(docs/models.md, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+Array = Any
+
+# (HF tensor name, state path in the NNX module, transposed?) of every parameter.
+ParamNames = list[tuple[str, tuple[Any, ...], bool]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """How a family maps onto a Hugging Face checkpoint directory (``hf_io``).
+
+  Attributes:
+    model_type: config.json's ``model_type`` of the family.
+    config_from_hf: (config.json dict, **config field overrides) -> config.
+    config_to_hf: config -> config.json dict.
+    param_names: (config, config.json dict) -> :data:`ParamNames`, in the official modeling
+      code's names and layouts.
+    ignored: config.json dict -> stored tensors that are not read (e.g. a tied head).
+  """
+
+  model_type: str
+  config_from_hf: Callable[..., Any]
+  config_to_hf: Callable[[Any], dict[str, Any]]
+  param_names: Callable[[Any, dict[str, Any]], ParamNames]
+  ignored: Callable[[dict[str, Any]], set[str]] = lambda hf: set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One model family.
+
+  Attributes:
+    name: ``config.model.family`` (and ``config.tokenizer.kind`` of its tokenizer).
+    config_cls: its config dataclass.
+    model_cls: its NNX module, built as ``model_cls(config, rngs=...)``.
+    config_names: the named configs ``model.name`` may take.
+    get_config: (name, **overrides) -> config.
+    checkpoint: its Hugging Face checkpoint layout.
+    tokenizer: tokenizer.json path -> a ``tokenizers.HFTokenizer`` with the family's chat
+      template and special tokens.
+    likelihood: how its likelihoods are estimated (``estimators.Likelihood``).
+    likelihood_fn: (model, attention_mask [B, L]) -> the model as ``likelihood.estimate``
+      takes it.
+    generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, gen_length, steps,
+      block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos)
+      -> (tokens [B, P + G], model calls [B] int32).
+    remasking: the ``rollout.remasking`` values its sampler takes.
+    check_rollout: (config.rollout, model config) -> None; raises ValueError naming the
+      ``config.rollout`` field whose layout the model cannot decode.
+    block_size: config -> its fixed block size (prompts are padded to whole blocks), or None.
+    stop_ids: config -> the tokens that end a completion.
+    aliases: field names of other families accepted in ``model.overrides`` -> this family's
+      (``configs/quickstart.py`` sizes any family with LLaDA's names).
+    vocab_fields: the config fields a character tokenizer's vocabulary size sets.
+  """
+
+  name: str
+  config_cls: type
+  model_cls: type
+  config_names: tuple[str, ...]
+  get_config: Callable[..., Any]
+  checkpoint: Checkpoint
+  tokenizer: Callable[[str], Any]
+  likelihood: Any
+  likelihood_fn: Callable[[Any, Array], Callable[..., Array]]
+  generate: Callable[..., tuple[Array, Array]]
+  remasking: tuple[str, ...]
+  check_rollout: Callable[[Any, Any], None]
+  block_size: Callable[[Any], int | None] = lambda config: None
+  stop_ids: Callable[[Any], tuple[int, ...]] = lambda config: (config.eos_token_id,)
+  aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  vocab_fields: tuple[str, ...] = ("vocab_size",)
+
+  @property
+  def fields(self) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(self.config_cls))
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+  """Registers ``family`` under ``family.name``; returns it."""
+  if family.name in _FAMILIES:
+    raise ValueError(f"model family {family.name!r} is already registered")
+  clash = [f.name for f in _FAMILIES.values()
+           if f.checkpoint.model_type == family.checkpoint.model_type]
+  if clash:
+    raise ValueError(f"model family {family.name!r}: model_type "
+                     f"{family.checkpoint.model_type!r} is already {clash[0]!r}'s")
+  _FAMILIES[family.name] = family
+  return family
+
+
+def unregister(name: str) -> None:
+  """Removes a registered family (for tests that register their own)."""
+  _FAMILIES.pop(name)
+
+
+def names() -> tuple[str, ...]:
+  """The registered families."""
+  return tuple(_FAMILIES)
+
+
+def get(name: str) -> Family:
+  """The family called ``name``; ValueError naming ``config.model.family`` otherwise."""
+  if name not in _FAMILIES:
+    raise ValueError(f"config.model.family: {name!r} is not one of {names()}")
+  return _FAMILIES[name]
+
+
+def of(config_or_model: Any) -> Family:
+  """The family of a model config, or of a model (through its ``config``)."""
+  config = getattr(config_or_model, "config", config_or_model)
+  for family in _FAMILIES.values():
+    if type(config) is family.config_cls:
+      return family
+  raise TypeError(f"{type(config).__name__} is not the config of a registered model family "
+                  f"({names()})")
+
+
+def by_model_type(model_type: str) -> Family:
+  """The family whose checkpoints have config.json ``model_type``."""
+  for family in _FAMILIES.values():
+    if family.checkpoint.model_type == model_type:
+      return family
+  raise NotImplementedError(f"config.json: model_type={model_type!r} is not supported; choose "
+                            f"from {sorted(f.checkpoint.model_type for f in _FAMILIES.values())}")
+
+
+def block_size(config_or_model: Any) -> int | None:
+  """The fixed block size of a block diffusion model; None for full attention."""
+  config = getattr(config_or_model, "config", config_or_model)
+  return of(config).block_size(config)
+
+
+def stop_ids(config_or_model: Any) -> tuple[int, ...]:
+  """The tokens that end a completion of this model (``Family.stop_ids``)."""
+  config = getattr(config_or_model, "config", config_or_model)
+  return of(config).stop_ids(config)
+
+
+def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
+  """The model as its family's likelihood estimator sees it, the [B, L] mask bound."""
+  return of(model).likelihood_fn(model, attention_mask)
+
+
+def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
+             gen_length: int, steps: int, block_length: int, temperature: float,
+             remasking: str, threshold: float, cfg_scale: float = 0.0,
+             stop_at_eos: bool = False) -> tuple[Array, Array]:
+  """Completions of left-padded prompts [B, P] by the model's own sampler.
+
+  ``steps`` denoising steps over a completion of ``gen_length`` tokens (at most, for threshold
+  rules); ``training/decoding.Decoding`` documents the rest.
+
+  Returns:
+    tokens [B, P + G] and the model calls each sequence needed [B] int32.
+  """
+  return of(model).generate(
+      model, prompt_tokens, prompt_mask, key, gen_length=gen_length, steps=steps,
+      block_length=block_length, temperature=temperature, remasking=remasking,
+      threshold=threshold, cfg_scale=cfg_scale, stop_at_eos=stop_at_eos)
+
+
+def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:
+  """``model.overrides`` in the family's field names; ValueError naming a field it lacks."""
+  fields = family.fields
+  resolved = {}
+  for name, value in overrides.items():
+    target = name if name in fields else family.aliases.get(name)
+    if target is None:
+      raise ValueError(f"config.model.overrides.{name}: the {family.name} config "
+                       f"({family.config_cls.__name__}) has no field {name!r}; its fields are "
+                       f"{fields}")
+    if target in resolved:
+      raise ValueError(f"config.model.overrides.{name}: sets {family.config_cls.__name__}."
+                       f"{target}, which another override sets too")
+    resolved[target] = value
+  return resolved

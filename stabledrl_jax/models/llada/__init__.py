@@ -1,0 +1,93 @@
+"""LLaDA: a full-attention masked diffusion LM (GSAI-ML/LLaDA-8B-Instruct), and its family record.
+
+Modules: ``config`` (ModelConfig and the named sizes), ``model`` (the NNX module), ``checkpoint``
+(the Hugging Face names and config.json keys), ``flops`` (the matmul FLOPs of a pass). Its
+sampler is ``stabledrl_jax.sampling`` (semi-autoregressive low-confidence remasking) and its
+likelihoods are the Monte Carlo estimators of ``stabledrl_jax.estimators``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from stabledrl_jax import estimators, sampling, tokenizers
+from stabledrl_jax.models import family
+from stabledrl_jax.models.llada import checkpoint
+from stabledrl_jax.models.llada.config import CONFIG_NAMES, ModelConfig, get_config
+from stabledrl_jax.models.llada.model import LLaDA
+
+Array = jax.Array
+
+
+def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
+  """tokens [B * R, L] -> logits, the [B, L] attention mask repeated for each sequence's R rows
+  (``estimators.token_logprobs`` orders the rows sequence-major).
+
+  ``suffix=n``: the logits of the last n positions only, [B * R, n, V]; the last block runs
+  only their queries and the head only their hidden states.
+  """
+
+  def logits_fn(tokens, suffix=None):
+    rows = tokens.shape[0] // attention_mask.shape[0]
+    mask = jnp.repeat(attention_mask, rows, axis=0)
+    if suffix is None:
+      return model(tokens, attention_mask=mask)
+    length = tokens.shape[1]
+    return model.unembed(model.encode(tokens, mask, span=(length - suffix, suffix)))
+
+  return logits_fn
+
+
+def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
+             gen_length: int, steps: int, block_length: int, temperature: float,
+             remasking: str, threshold: float, cfg_scale: float,
+             stop_at_eos: bool) -> tuple[Array, Array]:
+  """``family.Family.generate`` by ``sampling.generate`` over blocks of ``block_length``."""
+  tokens, stats = sampling.generate(
+      model, prompt_tokens, key=key, gen_length=gen_length, steps=steps,
+      block_length=block_length, temperature=temperature, remasking=remasking,
+      threshold=threshold, cfg_scale=cfg_scale, prompt_mask=prompt_mask,
+      stop_at_eos=stop_at_eos, return_stats=True)
+  return tokens, stats["model_calls"]
+
+
+def check_rollout(rollout: Any, config: ModelConfig) -> None:
+  """Semi-autoregressive decoding: whole blocks of ``block_length``, steps split evenly."""
+  del config
+  if rollout.gen_length % rollout.block_length:
+    raise ValueError(f"config.rollout.gen_length: {rollout.gen_length} is not a multiple of "
+                     f"rollout.block_length={rollout.block_length}")
+  num_blocks = rollout.gen_length // rollout.block_length
+  if rollout.steps % num_blocks:
+    raise ValueError(f"config.rollout.steps: {rollout.steps} is not a multiple of the number "
+                     f"of blocks ({num_blocks})")
+
+
+# Field names of SDAR's (Qwen3's) config -> LLaDA's, for the shapes both have.
+QWEN_NAMES = {
+    "hidden_size": "d_model",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "num_hidden_layers": "n_layers",
+    "intermediate_size": "mlp_hidden_size",
+    "max_position_embeddings": "max_sequence_length",
+}
+
+FAMILY = family.register(family.Family(
+    name="llada", config_cls=ModelConfig, model_cls=LLaDA, config_names=CONFIG_NAMES,
+    get_config=get_config,
+    checkpoint=family.Checkpoint(
+        model_type="llada", config_from_hf=checkpoint.config_from_hf,
+        config_to_hf=checkpoint.config_to_hf,
+        param_names=lambda config, hf: checkpoint.param_names(config)),
+    tokenizer=tokenizers.HFTokenizer.llada,
+    likelihood=estimators.FULL_ATTENTION, likelihood_fn=likelihood_fn, generate=generate,
+    remasking=sampling.REMASKING, check_rollout=check_rollout,
+    # The official code ends a completion at its first EOS (126081) only.
+    stop_ids=lambda config: (config.eos_token_id,),
+    aliases=QWEN_NAMES, vocab_fields=("vocab_size", "embedding_size")))
+
+__all__ = ["CONFIG_NAMES", "FAMILY", "LLaDA", "ModelConfig", "get_config"]

@@ -1,0 +1,105 @@
+"""SDAR: a block diffusion LM on the Qwen3 architecture (JetAstra/SDAR), and its family record.
+
+Modules: ``config`` (SDARConfig and the named sizes), ``model`` (the NNX module with its
+staircase likelihood layout and KV-cached decoding), ``staircase`` (the attention masks),
+``checkpoint`` (the Hugging Face names and config.json keys). Its sampler is
+``stabledrl_jax.block_sampling`` and its likelihoods the block estimators of
+``stabledrl_jax.block_estimators`` (docs/block_diffusion.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from stabledrl_jax import block_estimators, block_sampling, tokenizers
+from stabledrl_jax.models import family
+from stabledrl_jax.models.llada import QWEN_NAMES
+from stabledrl_jax.models.sdar import checkpoint
+from stabledrl_jax.models.sdar.config import SDAR_CONFIG_NAMES, SDARConfig, get_sdar_config
+from stabledrl_jax.models.sdar.model import SDAR, KVCache
+
+Array = jax.Array
+
+# rollout.remasking -> block_sampling's name. LLaDA's 'low_confidence' (the even schedule, most
+# confident first) is SDAR's static rule; SDAR has no random remasking.
+REMASKING = {
+    "low_confidence": "low_confidence_static",
+    "low_confidence_static": "low_confidence_static",
+    "low_confidence_dynamic": "low_confidence_dynamic",
+}
+
+
+def likelihood_fn(model: SDAR, attention_mask: Array):
+  """(noisy [R, B, L], clean [B, L], attention_mask [B, L]) -> logits [R, B, L, V].
+
+  The block estimator passes the attention mask itself (it may pad L to whole blocks).
+  """
+  del attention_mask
+  return model.staircase
+
+
+def generate(model: SDAR, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
+             gen_length: int, steps: int, block_length: int, temperature: float,
+             remasking: str, threshold: float, cfg_scale: float,
+             stop_at_eos: bool) -> tuple[Array, Array]:
+  """``family.Family.generate`` by ``block_sampling.generate`` over the model's blocks.
+
+  SDAR decodes by its model's blocks (``block_length`` does not apply) and stops finished rows
+  on its own; ``steps`` counts denoising steps over the whole completion, as for LLaDA, and the
+  block sampler takes them per block (at most: the dynamic rule and finished rows stop early).
+  """
+  del block_length, stop_at_eos
+  if cfg_scale:
+    raise ValueError(f"classifier-free guidance (cfg_scale={cfg_scale}) is LLaDA's; SDAR's "
+                     "sampler has none")
+  if remasking not in REMASKING:
+    raise ValueError(f"remasking {remasking!r} is not one of SDAR's {tuple(REMASKING)}")
+  num_blocks = gen_length // model.config.block_size
+  tokens, stats = block_sampling.generate(
+      model, prompt_tokens, key=key, gen_length=gen_length,
+      steps=-(-steps // num_blocks), temperature=temperature,
+      remasking=REMASKING[remasking], threshold=threshold, prompt_mask=prompt_mask,
+      return_stats=True)
+  return tokens, stats["model_calls"]
+
+
+def check_rollout(rollout: Any, config: SDARConfig) -> None:
+  """A block diffusion model's rollouts fit its blocks, which are fixed by absolute position.
+
+  The left-padded prompt and the completion must fill whole blocks (so that the sampler and the
+  block estimators see the same blocks, and no block mixes prompt and completion), and
+  ``rollout.steps`` must split evenly over the completion's blocks.
+  """
+  size = config.block_size
+  for field in ("prompt_length", "gen_length"):
+    value = getattr(rollout, field)
+    if value % size:
+      raise ValueError(f"config.rollout.{field}: {value} is not a multiple of the model's "
+                       f"block_size={size} (SDAR blocks are fixed by absolute position: prompt "
+                       "and completion must fill whole blocks)")
+  num_blocks = rollout.gen_length // size
+  if rollout.steps % num_blocks:
+    raise ValueError(f"config.rollout.steps: {rollout.steps} is not a multiple of the number of "
+                     f"completion blocks ({num_blocks} of the model's block_size={size})")
+
+
+FAMILY = family.register(family.Family(
+    name="sdar", config_cls=SDARConfig, model_cls=SDAR, config_names=SDAR_CONFIG_NAMES,
+    get_config=get_sdar_config,
+    checkpoint=family.Checkpoint(
+        model_type="sdar", config_from_hf=checkpoint.config_from_hf,
+        config_to_hf=checkpoint.config_to_hf,
+        param_names=lambda config, hf: checkpoint.param_names(
+            config, tied=bool(hf.get("tie_word_embeddings", False))),
+        # A tied checkpoint that also stores lm_head.weight loads tied, as transformers loads
+        # it (the stored head is not read).
+        ignored=lambda hf: {"lm_head.weight"} if hf.get("tie_word_embeddings") else set()),
+    tokenizer=tokenizers.HFTokenizer.sdar,
+    likelihood=block_estimators.BLOCK, likelihood_fn=likelihood_fn, generate=generate,
+    remasking=tuple(REMASKING), check_rollout=check_rollout,
+    block_size=lambda config: config.block_size, stop_ids=lambda config: config.stop_token_ids,
+    aliases={llada: qwen for qwen, llada in QWEN_NAMES.items()}))
+
+__all__ = ["FAMILY", "KVCache", "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES", "get_sdar_config"]
