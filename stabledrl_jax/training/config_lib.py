@@ -84,8 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   # Every field left unset (None, or '') takes the value of the objective's official code
   # (``estimator_settings``): method (one the model family takes: estimators.methods() for
-  # LLaDA), num_samples (K), normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's own masks, as d1 and ESPO;
-  # else once per rollout on independent masks, as StableDRL) and the mask sampler's options.
+  # LLaDA), num_samples (K), normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's
+  # own masks, as d1 and ESPO; else once per rollout on independent masks, as StableDRL) and the
+  # mask sampler's options.
   # For SDAR the methods are block estimators (rl_loss's docstring): elbo and block_random the
   # block ELBO, mean_field whole blocks masked; block_length, prompt_mask_prob and schedule
   # do not apply.
