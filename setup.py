@@ -8,10 +8,22 @@ setuptools.setup(
     description="StableDRL in JAX/Flax: stable reinforcement learning for masked diffusion language models.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=setuptools.find_packages(include=["stabledrl_jax", "stabledrl_jax.*"]),
+    # configs/ (the get_config() files) is installed as the package stabledrl_jax.configs, so that
+    # `--config quickstart` works from any install (training/config_lib.config_path).
+    packages=(setuptools.find_packages(include=["stabledrl_jax", "stabledrl_jax.*"])
+              + ["stabledrl_jax.configs"]),
+    package_dir={"stabledrl_jax.configs": "configs"},
     # The d1 test sets of countdown and sudoku (tasks.packaged_files()).
     package_data={"stabledrl_jax.tasks": ["data/*"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # jax >= 0.7 needs it.
+    entry_points={
+        "console_scripts": [
+            "stabledrl-train = stabledrl_jax.train:run",
+            "stabledrl-evaluate = stabledrl_jax.evaluate:run_cli",
+            "stabledrl-score = stabledrl_jax.scoring:main",
+            "stabledrl-export = stabledrl_jax.export:run",
+        ],
+    },
     install_requires=[
         "jax>=0.7",
         "flax>=0.12",
@@ -25,19 +37,27 @@ setuptools.setup(
         "tokenizers>=0.20",
         "tqdm>=4.66",
         "tensorboardX>=2.6",
-        "matplotlib>=3.7",  # experiments/ plots (quickstart run, stress test)
         "math-verify>=0.7",
         "etils[epath]>=1.7",  # workdir paths, local or gs:// (training/checkpointing.py)
+        # Checkpoints and tokenizers by Hub id (models/hub.py): cached, honours HF_HUB_OFFLINE.
+        "huggingface_hub>=0.23",
     ],
     extras_require={
         # Parquet datasets (tasks.read_records); the Hugging Face Hub loader also needs `datasets`.
         "data": ["pyarrow>=14"],
-        # Hub datasets (data.train='hub') and checkpoint downloads (huggingface-cli).
-        "datasets": ["datasets>=2.18", "huggingface_hub>=0.23", "pyarrow>=14"],
+        # Hub datasets (data.train='hub').
+        "datasets": ["datasets>=2.18", "pyarrow>=14"],
+        # experiments/ plots (the quickstart run, the stress test, the comparison).
+        "plot": ["matplotlib>=3.7"],
+        # The jax build for the accelerator (the core dependency is the CPU build).
+        "tpu": ["jax[tpu]>=0.7"],
+        "cuda": ["jax[cuda12]>=0.7"],
         # gs:// workdirs: epath's and TensorBoard's Cloud Storage backends.
         "gcs": ["gcsfs>=2024.2", "google-cloud-storage>=2.14"],
         "test": [
             "pytest>=8",
+            "wheel>=0.42",  # tests/test_packaging.py builds the wheel of a non-editable install
+            "matplotlib>=3.7",  # the experiments' plots are tested
             "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "pyarrow>=14",  # so that the Parquet loader is tested, not skipped

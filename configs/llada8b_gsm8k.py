@@ -1,8 +1,9 @@
 """StableDRL on LLaDA-8B-Instruct, gsm8k: the paper's setting (docs/training.md, "Configs").
 
-  python -m stabledrl_jax.train --config configs/llada8b_gsm8k.py --workdir runs/llada8b_gsm8k \\
-    --config.model.checkpoint=/path/to/LLaDA-8B-Instruct \\
-    --config.tokenizer.path=/path/to/LLaDA-8B-Instruct/tokenizer.json
+  python -m stabledrl_jax.train --config llada8b_gsm8k --workdir runs/llada8b_gsm8k
+
+The model and tokenizer come from the Hub by id (config_lib); pass a local directory with
+--config.model.checkpoint=DIR --config.tokenizer.path=DIR to use one.
 """
 
 from stabledrl_jax.training import config_lib

@@ -1,8 +1,9 @@
 """StableDRL on LLaDA-8B-Instruct, math500: the paper's setting (docs/training.md, "Configs").
 
-  python -m stabledrl_jax.train --config configs/llada8b_math.py --workdir runs/llada8b_math \\
-    --config.model.checkpoint=/path/to/LLaDA-8B-Instruct \\
-    --config.tokenizer.path=/path/to/LLaDA-8B-Instruct/tokenizer.json
+  python -m stabledrl_jax.train --config llada8b_math --workdir runs/llada8b_math
+
+The model and tokenizer come from the Hub by id (config_lib); pass a local directory with
+--config.model.checkpoint=DIR --config.tokenizer.path=DIR to use one.
 """
 
 from stabledrl_jax.training import config_lib

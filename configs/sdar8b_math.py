@@ -1,8 +1,9 @@
 """StableDRL on SDAR-8B-Chat (block diffusion), math500: the paper's setting (docs/training.md, "Configs").
 
-  python -m stabledrl_jax.train --config configs/sdar8b_math.py --workdir runs/sdar8b_math \\
-    --config.model.checkpoint=/path/to/SDAR-8B-Chat \\
-    --config.tokenizer.path=/path/to/SDAR-8B-Chat/tokenizer.json
+  python -m stabledrl_jax.train --config sdar8b_math --workdir runs/sdar8b_math
+
+The model and tokenizer come from the Hub by id (config_lib); pass a local directory with
+--config.model.checkpoint=DIR --config.tokenizer.path=DIR to use one.
 
 Rollouts decode 4-token blocks with a KV cache; likelihoods are block ELBOs, every block
 scored in one staircase pass (docs/block_diffusion.md).

@@ -43,7 +43,7 @@ def run_summary(result) -> dict:
   """Per-seed curves of one run."""
   from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
   evals = {h["step"]: metric(h, "eval/accuracy") for h in result.history if "eval/accuracy" in h}
-  steps = [h for h in result.history if "reward/mean" in h]
+  steps = [h for h in result.history if "rewards/mean" in h]
   times = [metric(h, "time/step_s") for h in steps[1:]] or [float("nan")]
   return {"eval": evals, "reward": [metric(h, REWARD_METRIC) for h in steps],
           "step_s": statistics.median(times), "wall_s": result.wall_s,

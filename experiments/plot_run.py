@@ -31,7 +31,7 @@ def main() -> None:
   records = metrics_writer.read_metrics(os.path.join(args.workdir, "metrics.jsonl"))
   if not records:
     raise SystemExit(f"No metrics in {args.workdir}/metrics.jsonl.")
-  panels = [("reward/mean", "reward (mean over rollouts)"),
+  panels = [("rewards/mean", "reward (mean over rollouts)"),
             ("eval/accuracy", "greedy eval accuracy (%)"),
             ("grad_norm", "gradient norm (before clipping)")]
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))

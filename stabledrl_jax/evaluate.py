@@ -402,7 +402,7 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if dtype == "auto":  # bf16 wherever it is fast; float32 on CPUs.
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
-  checkpoint_source.check_tokenizer(model.config, tokenizer)
+  data.check_tokenizer(model.config, tokenizer)
 
   # A workdir's prompts are those it trained on; d1's carry the task's instruction.
   with_instruction = options.with_instruction
@@ -513,6 +513,11 @@ def main(argv: Sequence[str]) -> None:
     sys.exit(1)
 
 
-if __name__ == "__main__":
+def run_cli() -> None:
+  """The console script ``stabledrl-evaluate``."""
   define_flags()
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_cli()

@@ -91,3 +91,44 @@ def device_peak_memory(device: jax.Device | None = None) -> int | None:
   if not stats or "peak_bytes_in_use" not in stats:
     return None
   return int(stats["peak_bytes_in_use"])
+
+
+# Peak dense bf16 FLOP/s per device of the accelerators the paper configs run on (the vendors'
+# figures), by `jax.Device.device_kind` prefix; the longest matching prefix wins.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA B200": 2250e12,
+}
+
+
+def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
+  """The peak dense bf16 FLOP/s of ``device`` (default: the first), None if unknown (CPUs)."""
+  kind = (device or jax.devices()[0]).device_kind
+  matches = [prefix for prefix in PEAK_FLOPS if kind.startswith(prefix)]
+  return PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+def rl_step_flops(num_params: int, *, rollout_positions: float, scored_positions: float,
+                  num_updates: int, num_scorings: int) -> float:
+  """Model FLOPs of one RL step, counted as 2 N per position of a forward pass and 6 N of a
+  training pass (N parameters; attention and the sampler's savings not counted: the
+  convention of MFU figures).
+
+  Args:
+    rollout_positions: positions the sampler ran through the model (calls x sequence length,
+      summed over rollouts).
+    scored_positions: positions of one likelihood pass over the batch (rows x K x length).
+    num_updates: the training passes (``train.num_iterations``).
+    num_scorings: the forward-only passes (l_old, l_ref estimates).
+  """
+  forward = rollout_positions + num_scorings * scored_positions
+  return 2.0 * num_params * forward + 6.0 * num_params * num_updates * scored_positions

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from stabledrl_jax import hub
+
 # ---------------------------------------------------------------------------
 # Batching shared by both tokenizers.
 # ---------------------------------------------------------------------------
@@ -211,13 +213,13 @@ class HFTokenizer(_BatchMixin):
                 pad_token: str | None = None, bos_token: str | None = None,
                 eot_token: str | None = None, vocab_size: int | None = None,
                 **kwargs) -> "HFTokenizer":
-    """Loads tokenizer.json (or a directory holding it) and looks the special tokens up.
+    """Loads tokenizer.json (a file, a directory holding it, or a Hub id) and looks the special
+    tokens up.
 
     ``kwargs`` go to the constructor (``chat_template``).
     """
     import tokenizers  # pylint: disable=g-import-not-at-top
-
-    path = pathlib.Path(path)
+    path = pathlib.Path(hub.local_path(str(path), files=hub.TOKENIZER_FILES))
     if path.is_dir():
       path = path / "tokenizer.json"
     tokenizer = tokenizers.Tokenizer.from_file(str(path))

@@ -1,4 +1,8 @@
-r"""Entry point: ``python -m stabledrl_jax.train --config configs/quickstart.py --workdir runs/qs``.
+r"""Entry point: ``python -m stabledrl_jax.train --config quickstart --workdir runs/qs``.
+
+``--config`` takes a shipped config's name (``quickstart``, ``llada8b_gsm8k``, ...:
+``config_lib.config_names()``) or a path to a ``get_config()`` file (``configs/quickstart.py``).
+Installed, ``stabledrl-train`` is the same command.
 
 Override any field with ``--config.a.b=value`` (e.g. ``--config.objective.name=grpo``).
 Rerunning with the same ``--workdir`` (a local directory or ``gs://...``) resumes from its
@@ -10,13 +14,16 @@ HOST:PORT --num_processes N --process_id I``. SIGTERM saves a checkpoint at the 
 boundary and exits 0.
 """
 
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from stabledrl_jax.training import multihost
+from stabledrl_jax.training import config_lib, multihost
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a get_config() file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "A shipped config's name (quickstart, llada8b_gsm8k, ...) or the path of a "
+    "get_config() file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics "
                                "(local or gs://), shared by all processes.")
 multihost.define_flags()
@@ -33,5 +40,14 @@ def main(argv):
   trainer.train(_CONFIG.value, _WORKDIR.value)
 
 
+def run() -> None:
+  """The console script: ``--config NAME`` resolved to the shipped file, then absl."""
+  try:
+    argv = config_lib.resolve_config_flag(sys.argv)
+  except FileNotFoundError as error:
+    sys.exit(f"error: {error}")
+  app.run(main, argv=argv)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  run()

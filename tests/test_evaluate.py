@@ -207,7 +207,7 @@ def test_the_supervised_start_of_a_workdir_takes_the_workdir_tokenizer(tmp_path,
   for spec in ("", str(path), str(path / "config.json")):  # its own, or named
     tokenizer = checkpoint_source.load_tokenizer(source, spec)
     assert tokenizer.alphabet == config["tokenizer"]["alphabet"]
-  checkpoint_source.check_tokenizer(model.config, tokenizer)
+  data.check_tokenizer(model.config, tokenizer)
 
 
 class Interrupted(Exception):
@@ -444,7 +444,7 @@ def test_a_tokenizer_that_does_not_fit_the_model(hf_checkpoint):
   with pytest.raises(ValueError, match="no tokenizer.json and is not inside a training workdir"):
     checkpoint_source.load_tokenizer(source)
   with pytest.raises(ValueError, match=r"vocabulary 33 < 101"):
-    checkpoint_source.check_tokenizer(models.load_config(str(hf_checkpoint)),
+    data.check_tokenizer(models.load_config(str(hf_checkpoint)),
                                       tokenizers.CharTokenizer(" /0123456789:<>Sadeklnoprsuwz"))
 
 

@@ -38,7 +38,7 @@ FLAGS = ("--config.data.train_size=64", "--config.data.eval_size=8",
          "--config.checkpoint.every_steps=1", f"--config.train.num_steps={NUM_STEPS}",
          "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
 # Metrics that differ between runs by nature.
-_TIMING = ("time/", "throughput/")
+_TIMING = ("time/", "throughput/", "perf/")  # Wall-clock dependent.
 
 
 def _free_port() -> int:
@@ -249,9 +249,12 @@ def test_two_processes_evaluate_what_one_process_evaluates(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_one_process_saves_on_sigterm_and_fills_the_compilation_cache(tmp_path, reference):
-  """One process alone: SIGTERM saves the step it is on and exits 0; the rerun finishes like the
-  uninterrupted run. ``train.compilation_cache_dir`` receives the compiled steps."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_one_process_saves_on_a_signal_and_fills_the_compilation_cache(tmp_path, reference,
+                                                                      signum):
+  """One process alone: SIGTERM (preemption) or SIGINT (Ctrl-C) saves the step it is on and
+  exits 0; the rerun finishes with the uninterrupted run's metrics. ``train.compilation_cache_dir``
+  receives the compiled steps."""
   logs = tmp_path / "logs"
   logs.mkdir()
   workdir = with_start(tmp_path / "one", reference)
@@ -259,10 +262,10 @@ def test_one_process_saves_on_sigterm_and_fills_the_compilation_cache(tmp_path, 
   extra = (f"--config.train.compilation_cache_dir={cache}",)
   running = train(workdir, *extra, processes=1, devices=8, log_dir=logs)
   assert _wait_for_step(workdir, 1, running), _logs(logs)
-  running[0].send_signal(signal.SIGTERM)
+  running[0].send_signal(signum)
   assert wait(running) == [0], _logs(logs)
   stopped = checkpointing.Checkpointer(workdir, read_only=True).latest_step()
-  assert 1 <= stopped < NUM_STEPS, "the run finished before SIGTERM arrived"
+  assert 1 <= stopped < NUM_STEPS, "the run finished before the signal arrived"
   assert any(cache.iterdir())
   assert wait(train(workdir, *extra, processes=1, devices=8, log_dir=logs)) == [0], _logs(logs)
   _assert_same_metrics(_records(workdir), _records(reference), atol=0)

@@ -254,7 +254,7 @@ def test_sdar_run_evaluates_checkpoints_and_resumes_exactly(tmp_path, sdar_start
   evals = [r for r in records if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [0, 2]
   assert all(0.0 <= r["eval/accuracy"] <= 100.0 for r in evals)
-  for name in ("loss", "grad_norm", "reward/mean", "completion/length_mean"):
+  for name in ("loss", "grad_norm", "rewards/mean", "completions/mean_length"):
     assert all(np.isfinite(h[name]) for h in history), name
 
   resumed = tmp_path / "resumed"

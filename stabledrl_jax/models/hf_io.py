@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from stabledrl_jax import hub
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import sharding as sharding_lib
 
@@ -150,8 +151,8 @@ def _read_hf_config(path: str) -> dict[str, Any]:
 
 
 def load_config(path: str, **overrides) -> Any:
-  """The model config of a checkpoint directory (its config.json; no tensor is read)."""
-  hf_config = _read_hf_config(path)
+  """The model config of a checkpoint directory or Hub id (its config.json; no tensor is read)."""
+  hf_config = _read_hf_config(hub.local_path(path))
   return family_of(hf_config).checkpoint.config_from_hf(hf_config, **overrides)
 
 
@@ -161,7 +162,8 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
   """Load a model of a registered family (by config.json's model_type) from a checkpoint directory.
 
   Args:
-    path: directory with config.json and model.safetensors (or shards + index).
+    path: directory with config.json and model.safetensors (or shards + index), or a Hugging
+      Face Hub id (``GSAI-ML/LLaDA-8B-Instruct``: fetched into the Hub cache, ``hub.py``).
     dtype: parameter and compute dtype (e.g. jnp.bfloat16); logits stay float32 unless
       `logits_dtype` is overridden.
     mesh: if given, parameters are created sharded over it by the logical-axis `rules`, each
@@ -177,6 +179,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
   """
   if mesh is not None:
     sharding_lib.check_auto_mesh(mesh)
+  path = hub.local_path(path)
   hf_config = _read_hf_config(path)
   family = family_of(hf_config)
   layout = family.checkpoint

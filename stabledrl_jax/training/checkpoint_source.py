@@ -25,7 +25,7 @@ import ml_collections
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import models, tokenizers
+from stabledrl_jax import hub, models, tokenizers
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import hf_io
 from stabledrl_jax.training import checkpointing, config_lib, data, specs, trainer
@@ -101,7 +101,7 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
   """Which kind of checkpoint ``path`` is, and which step of a workdir to read.
 
   Args:
-    path: a training workdir or a Hugging Face checkpoint directory.
+    path: a training workdir, a Hugging Face checkpoint directory or a Hub id.
     step: a workdir's checkpoint step (None: the latest).
 
   Raises:
@@ -109,6 +109,7 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
     ValueError: ``path`` is neither kind, the workdir has no (such) step, or ``step`` was given
       for a Hugging Face directory.
   """
+  path = hub.local_path(path)  # A Hub id: its snapshot in the Hub cache.
   if not epath.Path(path).exists():
     raise FileNotFoundError(f"checkpoint {path} does not exist")
   path = str(checkpointing.resolve_workdir(path))
@@ -189,10 +190,11 @@ def _hf_tokenizer(path: str, source: CheckpointSource):
 
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
-    if not os.path.isfile(os.path.join(config.model.checkpoint, hf_io.CONFIG_FILE)):
+    start = hub.local_path(config.model.checkpoint, files=(hf_io.CONFIG_FILE,))
+    if not os.path.isfile(os.path.join(start, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
-    return models.load_config(config.model.checkpoint, dtype=dtype, param_dtype=dtype)
+    return models.load_config(start, dtype=dtype, param_dtype=dtype)
   return dataclasses.replace(specs.model_config(config), dtype=dtype,
                              param_dtype=dtype, remat=False)
 
@@ -214,18 +216,3 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
   finally:
     checkpointer.close()
   return nnx.merge(graphdef, params)
-
-
-def check_tokenizer(model_config: Any, tokenizer) -> None:
-  """Raises ValueError when the tokenizer's mask or EOS id, or its vocabulary, is not the model's:
-  the sampler would then reveal tokens the tokenizer cannot read."""
-  mismatches = []
-  if tokenizer.mask_id != model_config.mask_token_id:
-    mismatches.append(f"mask id {tokenizer.mask_id} vs {model_config.mask_token_id}")
-  if tokenizer.eos_id != model_config.eos_token_id:
-    mismatches.append(f"EOS id {tokenizer.eos_id} vs {model_config.eos_token_id}")
-  if tokenizer.vocab_size < model_config.vocab_size:
-    mismatches.append(f"vocabulary {tokenizer.vocab_size} < {model_config.vocab_size}")
-  if mismatches:
-    raise ValueError("the tokenizer does not fit the model (tokenizer vs model): "
-                     + ", ".join(mismatches))

@@ -28,7 +28,13 @@ def base_config() -> ml_collections.ConfigDict:
       # A config of the family: llada: tiny | small | llada_8b (models.get_config);
       # sdar: tiny | small | sdar_1_7b | sdar_4b | sdar_8b (models.get_sdar_config).
       name="tiny",
-      checkpoint="",  # Hugging Face checkpoint directory; '' = random init (or the SFT start)
+      # A Hugging Face checkpoint: a Hub id (GSAI-ML/LLaDA-8B-Instruct, fetched into the Hub
+      # cache; HF_HUB_OFFLINE=1 reads the cache only) or a local directory; '' = random init (or
+      # the SFT start).
+      checkpoint="",
+      # With several processes (docs/pods.md): 'each_host' (every host fetches into its own
+      # cache) or 'process_0' (process 0 fetches into a cache all hosts share; stabledrl_jax/hub.py).
+      download="each_host",
       # Fields of the family's config (ModelConfig / SDARConfig); the shapes both have may use
       # either family's name (d_model or hidden_size, ...: models.family.Family.aliases).
       overrides=ml_collections.ConfigDict(),
@@ -39,6 +45,8 @@ def base_config() -> ml_collections.ConfigDict:
       # one layer's kernels gathered and one layer's gradients reduced at a time).
       scan_layers=False,
   ))
+  # kind: 'char' (alphabet) or a model family's name, whose conventions apply to the
+  # tokenizer.json at path: a file, a directory holding one, or a Hub id.
   c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
   # reward: the scheme (tasks.REWARD_SCHEMES): 'stabledrl' (the official StableDRL code's: its
   # correctness rewards plus anti_short_boxed) or 'd1' (correctness plus format terms).
@@ -118,6 +126,17 @@ def base_config() -> ml_collections.ConfigDict:
       # A persistent XLA compilation cache (local or gs://; '' off): restarts skip compiling.
       compilation_cache_dir=""))
   c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0))  # 0: gen/2
+  # What process 0 logs besides metrics.jsonl and TensorBoard (docs/training.md, "Metrics").
+  c.logging = ml_collections.ConfigDict(dict(
+      # A few rollouts (prompt, completion, reward) every N RL steps in samples.jsonl and as
+      # TensorBoard text (0: never).
+      samples_every_steps=10, num_samples=4,
+      # Peak dense bf16 TFLOP/s of one device for perf/mfu (0: known TPU / GPU kinds; none on
+      # CPU, where only perf/tflops_per_s is logged).
+      peak_tflops_per_device=0.0,
+      # Weights & Biases (needs `pip install wandb`): off unless project is set.
+      wandb=ml_collections.ConfigDict(dict(project="", entity="", name="")),
+  ))
   # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since
   # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,
@@ -128,6 +147,50 @@ def base_config() -> ml_collections.ConfigDict:
       num_steps=0, batch_size=64, learning_rate=1e-3,
       demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
   return c
+
+
+def config_names() -> tuple[str, ...]:
+  """The names of the shipped config files (``configs/``, installed as ``stabledrl_jax.configs``)."""
+  return tuple(sorted(p.stem for p in _configs_dir().glob("*.py") if p.stem != "__init__"))
+
+
+def _configs_dir() -> pathlib.Path:
+  try:
+    spec = importlib.util.find_spec("stabledrl_jax.configs")
+  except ModuleNotFoundError:
+    spec = None
+  if spec is not None and spec.submodule_search_locations:
+    return pathlib.Path(list(spec.submodule_search_locations)[0])
+  return pathlib.Path(__file__).resolve().parents[2] / "configs"  # A checkout on PYTHONPATH.
+
+
+def config_path(name_or_path: str) -> str:
+  """A ``--config`` value as a file path: an existing file as is, else a shipped config's name
+  (``quickstart``, ``llada8b_gsm8k``), with ``:arg`` kept for ``get_config(arg)``."""
+  path, colon, arg = name_or_path.partition(":")
+  if os.path.exists(path) or path.endswith(".py") or os.sep in path:
+    return name_or_path
+  if path not in config_names():
+    raise FileNotFoundError(f"--config {path!r} is neither a file nor a shipped config; the "
+                            f"shipped ones are {config_names()}")
+  return str(_configs_dir() / f"{path}.py") + colon + arg
+
+
+def resolve_config_flag(argv: list[str]) -> list[str]:
+  """``argv`` with a ``--config NAME`` (or ``--config=NAME``) replaced by the shipped file's path
+  (``config_path``); overrides such as ``--config.a.b=v`` pass through."""
+  argv = list(argv)
+  for i, arg in enumerate(argv):
+    if arg == "--config" and i + 1 < len(argv):
+      argv[i + 1] = config_path(argv[i + 1])
+    elif arg.startswith("--config="):
+      argv[i] = "--config=" + config_path(arg[len("--config="):])
+  return argv
+
+
+def get(name_or_path: str) -> ml_collections.ConfigDict:
+  """A shipped config by name (``get("quickstart")``) or a config file by path."""
+  return from_file(config_path(name_or_path))
 
 
 def from_file(path: str | os.PathLike[str]) -> ml_collections.ConfigDict:
@@ -163,14 +226,15 @@ def _paper_setting(task: str, learning_rate: float) -> ml_collections.ConfigDict
 def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
   """The paper's LLaDA-8B-Instruct setting (docs/training.md, "Configs") for ``task``.
 
-  Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
+  ``model.checkpoint`` and ``tokenizer.path`` name the released model on the Hub (fetched into
+  the Hub cache on first use); a local directory works as well.
   """
   c = _paper_setting(task, learning_rate)
   # bfloat16 compute on float32 master weights (and AdamW moments): in bfloat16 an update of
   # lr 2e-6 on a weight of size 0.02 rounds away.
-  c.model.update(name="llada_8b", checkpoint="/path/to/LLaDA-8B-Instruct", dtype="bfloat16",
+  c.model.update(name="llada_8b", checkpoint="GSAI-ML/LLaDA-8B-Instruct", dtype="bfloat16",
                  param_dtype="float32", remat=True, scan_layers=True)
-  c.tokenizer.update(kind="llada", path="/path/to/LLaDA-8B-Instruct/tokenizer.json")
+  c.tokenizer.update(kind="llada", path="GSAI-ML/LLaDA-8B-Instruct")
   c.rollout.update(steps=128, block_length=32)
   return c
 
@@ -182,12 +246,13 @@ def sdar8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict:
   ``generate.py`` defaults): blocks of the model's size, at most one step per token (256 over
   the 256-token completion, 4 per block), revealing every position whose confidence passes
   0.9 (``low_confidence_dynamic``). ``block_random`` becomes the block ELBO (``rl_loss``).
-  Point ``model.checkpoint`` and ``tokenizer.path`` at the released files.
+  ``model.checkpoint`` and ``tokenizer.path`` name the released model on the Hub (fetched into
+  the Hub cache on first use); a local directory works as well.
   """
   c = _paper_setting(task, learning_rate)
-  c.model.update(family="sdar", name="sdar_8b", checkpoint="/path/to/SDAR-8B-Chat",
+  c.model.update(family="sdar", name="sdar_8b", checkpoint="JetLM/SDAR-8B-Chat",
                  dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True)
-  c.tokenizer.update(kind="sdar", path="/path/to/SDAR-8B-Chat/tokenizer.json")
+  c.tokenizer.update(kind="sdar", path="JetLM/SDAR-8B-Chat")
   c.rollout.update(steps=256, block_length=4, remasking="low_confidence_dynamic",
                    threshold=0.9)
   return c

@@ -145,3 +145,18 @@ def encode_examples(config: ml_collections.ConfigDict, tokenizer, task: tasks.Ta
            for ex in examples]
   tokens, mask = encode_prompts(tokenizer, texts, config.rollout.prompt_length)
   return PromptSet(list(examples), tokens, mask)
+
+
+def check_tokenizer(model_config: Any, tokenizer) -> None:
+  """Raises ValueError when the tokenizer's mask or EOS id, or its vocabulary, is not the model's:
+  the sampler would then reveal tokens the tokenizer cannot read."""
+  mismatches = []
+  if tokenizer.mask_id != model_config.mask_token_id:
+    mismatches.append(f"mask id {tokenizer.mask_id} vs {model_config.mask_token_id}")
+  if tokenizer.eos_id != model_config.eos_token_id:
+    mismatches.append(f"EOS id {tokenizer.eos_id} vs {model_config.eos_token_id}")
+  if tokenizer.vocab_size < model_config.vocab_size:
+    mismatches.append(f"vocabulary {tokenizer.vocab_size} < {model_config.vocab_size}")
+  if mismatches:
+    raise ValueError("the tokenizer does not fit the model (tokenizer vs model): "
+                     + ", ".join(mismatches))

@@ -10,11 +10,14 @@ of a fresh model from ``config.model``.
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import sys
 from typing import Any
 
 import ml_collections
 
-from stabledrl_jax import losses, tasks
+from stabledrl_jax import hub, losses, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.training import data, rl_loss
 
@@ -26,6 +29,16 @@ _DEFAULT_BLOCK_LENGTH = 32
 # The estimator settings that belong to the objective whatever the method (the rest are options
 # of the official method's mask sampler).
 _OBJECTIVE_ESTIMATOR_FIELDS = ("num_samples", "normalize", "coupled_ratio")
+
+
+def _finite(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _importable(module: str) -> bool:
+  if module in sys.modules:  # Imported already (or blocked: None).
+    return sys.modules[module] is not None
+  return importlib.util.find_spec(module) is not None
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -161,13 +174,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
            "objective.advantage_baseline",
            f"{config.objective.advantage_baseline!r} is not '' or one of "
            f"{losses.ADVANTAGE_BASELINES}")
-  _require(advantage_baseline(config) != "leave_one_out" or r.group_size >= 2,
-           "rollout.group_size", "a leave-one-out advantage baseline needs at least 2")
+  _require(r.group_size >= 2, "rollout.group_size",
+           f"{r.group_size}: the advantages are relative to the group, so a group of one "
+           "gives every completion advantage 0 and nothing is learned; use at least 2")
   o = config.optimizer
-  _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+  for field, section in (("optimizer.learning_rate", o), ("sft.learning_rate", config.sft)):
+    rate = section.learning_rate
+    _require(_finite(rate) and 0 < rate <= 1, field,
+             f"must be a finite rate in (0, 1], got {rate!r}")
+  for field in ("grad_clip", "weight_decay", "warmup_steps", "end_lr_factor"):
+    if field in o:
+      _require(_finite(o[field]) and o[field] >= 0, f"optimizer.{field}",
+               f"must be finite and >= 0, got {o[field]!r}")
   _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
            f"{o.schedule!r} is not 'linear' or 'constant'")
-  _require(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0: no clipping)")
   t = config.train
   _require(t.num_steps >= 0, "train.num_steps", "must be >= 0")
   _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
@@ -186,8 +206,37 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
   _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
+  _require(config.eval.batch_size >= 1, "eval.batch_size",
+           f"must be >= 1 (prompts per sampler call), got {config.eval.batch_size}")
+  for split in ("train", "eval"):
+    size = config.data[f"{split}_size"]
+    _require(isinstance(size, int) and size >= 0, f"data.{split}_size",
+             f"must be an integer >= 0, got {size!r}")
+    _require(size > 0 or config.data[split] != "synthetic", f"data.{split}_size",
+             "0 means the whole dataset, but a synthetic generator has none: give a size")
+  _require(config.data.train_size == 0 or config.data.train_size >= r.num_prompts,
+           "data.train_size", f"{config.data.train_size} examples cannot fill one batch of "
+           f"rollout.num_prompts={r.num_prompts}")
+  if config.sft.num_steps:
+    _require(config.sft.batch_size >= 1, "sft.batch_size", "must be >= 1")
   _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
            f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
+  _require(config.model.get("download", "each_host") in hub.DOWNLOAD_MODES, "model.download",
+           f"{config.model.get('download')!r} is not one of {hub.DOWNLOAD_MODES}")
+  for field, value in (("model.checkpoint", config.model.checkpoint),
+                       ("tokenizer.path", config.tokenizer.path)):
+    _require(not str(value).startswith("/path/to"), field,
+             f"{value!r} is a placeholder: pass a Hub id (e.g. --config.{field}=GSAI-ML/LLaDA-8B-"
+             "Instruct) or a local directory")
+  lg = config.logging
+  for field in ("samples_every_steps", "num_samples"):
+    _require(isinstance(lg[field], int) and lg[field] >= 0, f"logging.{field}",
+             f"must be an integer >= 0, got {lg[field]!r}")
+  _require(lg.peak_tflops_per_device >= 0, "logging.peak_tflops_per_device",
+           "must be >= 0 (0: the device kind's)")
+  _require(not lg.wandb.project or _importable("wandb"),
+           "logging.wandb.project", f"{lg.wandb.project!r} is set, but the `wandb` package is "
+           "not installed: pip install wandb (or unset the project)")
   kinds = ("char",) + family_lib.names()
   _require(config.tokenizer.kind in kinds, "tokenizer.kind",
            f"{config.tokenizer.kind!r} is not one of {kinds} ('char' or a model family)")

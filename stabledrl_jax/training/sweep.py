@@ -21,7 +21,7 @@ from stabledrl_jax.training import metrics_writer, trainer
 _RESULT_FILE = "run_result.json"
 # The reward the sweeps report: the task's correctness term (every task has one), without the
 # terms every completion gets (StableDRL's anti-short-boxed reward).
-REWARD_METRIC = "reward/correctness"
+REWARD_METRIC = "rewards/correctness"
 
 def objective_variants() -> dict[str, dict[str, Any]]:
   """The objectives compared, as {name: config overrides as dotted paths}: every registered

@@ -2,8 +2,8 @@
 
 ``make_update_fn`` returns ``update(state, batch, key) -> (state, metrics)``, a
 pure function of pytrees, jitted with the state donated and explicit output
-shardings. A non-finite loss or gradient leaves parameters and optimizer state
-untouched and increments ``skipped_steps``.
+shardings. An update whose loss, gradient, update or new parameters are not all finite leaves
+parameters and optimizer state untouched and increments ``skipped_steps``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TrainState:
     params: the model's nnx.Param state.
     opt_state: optax state.
     key: [2] uint32 raw PRNG key data of the run (``jax.random.wrap_key_data``).
-    skipped_steps: updates skipped for non-finite loss or gradients, in total.
+    skipped_steps: updates skipped (non-finite loss, gradient, update or parameters), in total.
     consecutive_skips: updates skipped in a row, up to the latest.
   """
 
@@ -197,12 +197,17 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     metrics["grad_norm_over_bound/max"] = jnp.where(
         bound > 0, grad_norm / jnp.where(bound > 0, bound, 1.0),
         jnp.where(grad_norm > 0, jnp.inf, 0.0))
-  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+  finite_grad = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
   # Zero non-finite gradients before the optimizer so that its state stays finite
   # even in the branch that is discarded.
-  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+  safe_grads = jax.tree.map(lambda g: jnp.where(finite_grad, g, 0.0), grads)
   updates, new_opt_state = tx.update(safe_grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
+  update_norm = optax.tree.norm(updates)
+  # An update is kept only if everything it produces is finite: the loss, the gradient, the
+  # update and the new parameters (an infinite learning rate gives finite gradients and NaN
+  # parameters), so that no poisoned state is ever kept or checkpointed.
+  finite = finite_grad & jnp.isfinite(update_norm) & _all_finite(new_params)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   skipped = (~finite).astype(jnp.int32)
   new_state = state.replace(
@@ -211,10 +216,18 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
       consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1))
   metrics.update({
       "grad_norm": grad_norm,
-      "update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
+      # The rejected update's norm too (inf or NaN), so that the log shows why it was skipped.
+      "update_norm": update_norm,
       "skipped": skipped,
   })
   return new_state, metrics
+
+
+def _all_finite(tree: Any) -> Array:
+  """Whether every element of every array of ``tree`` is finite (a scalar bool)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def traced_under(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:

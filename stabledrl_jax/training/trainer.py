@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -47,7 +48,7 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import estimators, losses, models, sampling, tasks
+from stabledrl_jax import estimators, hub, losses, models, profiling, sampling, tasks
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost
@@ -72,9 +73,14 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LL
   if not config.model.checkpoint:
     model_config = specs.model_config(config, tokenizer)
     return models.init_model(model_config, seed=config.seed, mesh=mesh)
-  model = models.from_pretrained(config.model.checkpoint, mesh=mesh, **_dtypes(config),
-                                 remat=config.model.remat,
+  path = hub.local_path(config.model.checkpoint, download=config.model.download)
+  model = models.from_pretrained(path, mesh=mesh, **_dtypes(config), remat=config.model.remat,
                                  **specs.run_options(config))
+  try:
+    data.check_tokenizer(model.config, tokenizer)
+  except ValueError as error:
+    raise ValueError(f"config.tokenizer: {error} (model.checkpoint={config.model.checkpoint!r})"
+                     ) from None
   return _check_loaded(config, model, config.model.checkpoint)
 
 
@@ -299,8 +305,15 @@ class Trainer:
             num_microbatches=specs.num_microbatches(config), stress_mode=stress_mode,
             microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
         static_argnames="stress_mode")
-    self.writer = (metrics_writer.MetricsWriter(self.workdir, resume_step=self.start_step)
-                   if self.primary else None)
+    self.writer = (metrics_writer.MetricsWriter(
+        self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
+        config=json.loads(config.to_json_best_effort())) if self.primary else None)
+    self.schedule = optimizer_lib.learning_rate_schedule(config.optimizer, num_updates)
+    self.num_params = models.count_params(self.model_config)
+    peak = (config.logging.peak_tflops_per_device * 1e12
+            or profiling.peak_flops_per_device(self.mesh.devices.flat[0]))
+    self.peak_flops = peak * self.mesh.devices.size if peak else None
+    self.samples = []  # This step's sample rollouts, for the writer.
 
   # -------------------------------------------------------------------------
   # Pieces of a step.
@@ -412,6 +425,13 @@ class Trainer:
           jax.random.fold_in(key, _STRESS_KEY), split.num_rows,
           config.estimator.stress.fraction))[split.rows]
     completion = self.completion_mask(tokens)
+    # Completions that hit the length limit: no stop token anywhere in them.
+    truncated = ~np.isin(tokens[:, r.prompt_length:],
+                         np.asarray(models.family.stop_ids(self.model_config))).any(-1)
+    num_logged = config.logging.num_samples
+    self.samples = [dict(prompt=p, completion=c, reward=float(w)) for p, c, w in zip(
+        data.decode_completions(self.tokenizer, prompt_tokens[:num_logged]),
+        texts[:num_logged], rewards[:num_logged])] if self.primary else []
     batch = self.make_batch(tokens, prompt_mask, completion, advantages, stressed,
                             num_rows=split.num_rows)
     # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
@@ -442,22 +462,39 @@ class Trainer:
         np.int32(step + 1), self.state_shardings.step))  # Global on every process.
 
     # Whole-batch statistics of host-side values: every process's rows.
+    # Whole-batch statistics of host-side values: every process's rows, groups contiguous.
     rows = multihost.gather_rows(np.column_stack(
-        [rewards, np.abs(advantages), completion.sum(-1), calls, components]).astype(np.float32),
-        split)
-    rewards_all, components_all = rows[:, 0], rows[:, 4:]
+        [rewards, np.abs(advantages), completion.sum(-1), calls, truncated,
+         components]).astype(np.float32), split)
+    rewards_all, lengths, components_all = rows[:, 0], rows[:, 2], rows[:, 5:]
+    group_std = rewards_all.reshape(-1, r.group_size).std(axis=-1)
     elapsed = time.perf_counter() - start
     terms = self.scorer.terms
+    length = r.prompt_length + r.gen_length
+    flops = profiling.rl_step_flops(
+        self.num_params, rollout_positions=float(rows[:, 3].sum()) * length,
+        scored_positions=split.num_rows * self.spec.num_samples * length,
+        num_updates=config.train.num_iterations,
+        num_scorings=len(old or ()) + len(ref or ()))
+    updates_done = (step + 1) * config.train.num_iterations
+    # Names as TRL and tunix users know them (docs/training.md, "Metrics").
     metrics.update({
-        "reward/mean": float(rewards_all.mean()), "reward/std": float(rewards_all.std()),
-        **{f"reward/{term.name}": float(components_all[:, j].mean())
+        "rewards/mean": float(rewards_all.mean()), "rewards/std": float(rewards_all.std()),
+        **{f"rewards/{term.name}": float(components_all[:, j].mean())
            for j, term in enumerate(terms)},
+        "frac_reward_zero_std": float(np.mean(group_std < 1e-6)),
         "advantage/abs_mean": float(rows[:, 1].mean()),
-        "completion/length_mean": float(rows[:, 2].mean()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(rows[:, 4].mean()),
+        "learning_rate": float(self.schedule(updates_done - 1)),
         "rollout/model_calls": float(rows[:, 3].mean()),
         "skipped_steps": int(self.state.skipped_steps),
         "time/step_s": elapsed, "time/rollout_s": rollout_s,
         "throughput/tokens_per_s": split.num_rows * r.gen_length / elapsed,
+        "perf/tflops_per_s": flops / elapsed / 1e12,
+        **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
     })
     return metrics
 
@@ -491,8 +528,11 @@ class Trainer:
         if every and (done % every == 0 or done == config.train.num_steps):
           metrics.update(self.evaluate(self.state.params, eval_key))
         self._write(done, metrics)
+        if (self.writer is not None and config.logging.samples_every_steps
+            and done % config.logging.samples_every_steps == 0):
+          self.writer.write_samples(done, self.samples)
         history.append({"step": done, **metrics})
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+        progress.set_postfix(reward=f"{metrics['rewards/mean']:.3f}",
                              step_s=f"{metrics['time/step_s']:.2f}")
         if int(self.state.consecutive_skips) >= config.train.max_consecutive_skips:
           raise TooManySkipsError(
@@ -512,7 +552,8 @@ class Trainer:
           last_save = time.monotonic()
         if preempted:
           if self.primary:
-            logging.warning("SIGTERM: saved step %d in %s; rerun the same command to continue",
+            logging.warning("Stopped by a signal: saved step %d in %s; rerun the same command to "
+                            "continue",
                             done if healthy else self.checkpointer.latest_step(),
                             self.checkpointer.directory)
           break
@@ -531,28 +572,45 @@ class Trainer:
 
 
 class PreemptionWatcher:
-  """Whether a SIGTERM asks the run to stop, agreed by every process at the same step.
+  """Whether a SIGTERM or SIGINT asks the run to stop, agreed by every process at one step.
 
-  Several processes: ``jax.distributed``'s preemption sync point (its own SIGTERM handler, and
-  on TPUs the maintenance notices), so that all save the same step. One process: a SIGTERM
-  handler that sets a flag (restored on ``close``).
+  SIGTERM (preemption, ``kill``): with several processes ``jax.distributed``'s preemption sync
+  point (its own SIGTERM handler, and on TPUs the maintenance notices), so that all save the
+  same step; one process: a handler that sets a flag. SIGINT (Ctrl-C): a handler that sets a
+  flag (process 0's decides for all); a second SIGINT stops at once (KeyboardInterrupt). The
+  handlers are installed from the main thread only, and restored by ``close``.
   """
 
   def __init__(self):
     self._flag = threading.Event()
-    self._previous = None
-    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
+    self._interrupted = threading.Event()
+    self._previous = {}
+    if threading.current_thread() is not threading.main_thread():
+      return
+    if jax.process_count() == 1:
+      self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+    self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+
+  def _on_term(self, *_):
+    self._flag.set()
+
+  def _on_interrupt(self, *_):
+    if self._interrupted.is_set():  # The second Ctrl-C: stop now.
+      raise KeyboardInterrupt
+    self._interrupted.set()
+    print("\nInterrupted: saving a checkpoint at the end of this step (Ctrl-C again to stop "
+          "now).", file=sys.stderr, flush=True)
 
   def reached(self, step: int) -> bool:
+    interrupted = multihost.agree(self._interrupted.is_set())
     if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self._flag.is_set()
+      return multihost_utils.reached_preemption_sync_point(step) or interrupted
+    return self._flag.is_set() or interrupted
 
   def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous = {}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | epath.PathLike

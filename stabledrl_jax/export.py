@@ -1,0 +1,129 @@
+r"""Export a trained model as a Hugging Face checkpoint.
+
+    python -m stabledrl_jax.export --workdir runs/llada8b_gsm8k --output exports/gsm8k \
+        [--step 400] [--dtype bfloat16] [--max_shard_size 5GB]
+
+(installed: ``stabledrl-export``). ``--workdir`` is a training workdir (the parameters of its
+latest or ``--step`` checkpoint; its config.json gives the architecture) or any checkpoint
+``python -m stabledrl_jax.evaluate`` reads (a Hugging Face directory, a Hub id). ``--output``
+gets
+
+* ``config.json`` (and ``generation_config.json`` for a chat model's stop tokens) in the keys of
+  the family's official modeling code (``models/<family>/checkpoint.py``),
+* the parameters as safetensors in the official tensor names and layouts, split into
+  ``model-0000k-of-0000n.safetensors`` files with ``model.safetensors.index.json`` past
+  ``--max_shard_size``, in ``--dtype`` (default: float32, lossless),
+* the tokenizer files of the run (tokenizer.json and the configs beside it); a character
+  tokenizer has none, and the export says so.
+
+The official PyTorch code (``trust_remote_code``) and inference servers load the result, and
+``models.from_pretrained`` reads it back bit for bit. One process: every tensor passes through
+host memory (an 8B model in float32 needs about 32 GB of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from typing import Sequence
+
+DTYPES = ("float32", "bfloat16", "float16")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)B?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+  """'5GB', '500MB', '1024' -> bytes (powers of 1000, as transformers' max_shard_size)."""
+  match = _SIZE.fullmatch(text.strip())
+  if not match:
+    raise ValueError(f"--max_shard_size {text!r} is not a size such as 5GB or 500MB")
+  scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[match.group(2).upper()]
+  return int(float(match.group(1)) * scale)
+
+
+def tokenizer_dir(source) -> str | None:
+  """The directory whose tokenizer files go with ``source`` (None: a character tokenizer)."""
+  from stabledrl_jax import hub  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+  if source.kind == checkpoint_source.HUGGING_FACE and os.path.isfile(
+      os.path.join(source.path, "tokenizer.json")):
+    return source.path
+  if source.config is None or source.config.tokenizer.kind == "char":
+    return None
+  path = hub.local_path(source.config.tokenizer.path, files=hub.TOKENIZER_FILES)
+  return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "float32",
+           max_shard_bytes: int = 5 * 10**9) -> list[str]:
+  """Writes the Hugging Face checkpoint of ``workdir`` (or ``step``) to ``output``.
+
+  Returns:
+    the tokenizer files copied (empty for a character tokenizer).
+
+  Raises:
+    ValueError / FileNotFoundError naming the bad argument.
+  """
+  if dtype not in DTYPES:
+    raise ValueError(f"--dtype {dtype!r} is not one of {DTYPES}")
+  if max_shard_bytes <= 0:
+    raise ValueError("--max_shard_size must be positive")
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  from stabledrl_jax import hub, models  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+
+  source = checkpoint_source.resolve(workdir, step)
+  if os.path.abspath(output) == os.path.abspath(source.path):
+    raise ValueError(f"--output {output!r} is the checkpoint being exported")
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
+                            devices=jax.local_devices())
+  model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
+  models.save_pretrained(model, output, max_shard_bytes=max_shard_bytes)
+  copied = []
+  directory = tokenizer_dir(source)
+  if directory is not None:
+    for name in hub.TOKENIZER_FILES:
+      path = os.path.join(directory, name)
+      if os.path.isfile(path):
+        shutil.copyfile(path, os.path.join(output, name))
+        copied.append(name)
+  return copied
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m stabledrl_jax.export",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", required=True,
+                      help="a training workdir, a Hugging Face checkpoint directory or a Hub id")
+  parser.add_argument("--output", required=True, help="the Hugging Face checkpoint directory")
+  parser.add_argument("--step", type=int, default=None,
+                      help="a checkpoint step of the workdir (default: the latest)")
+  parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                      help="dtype of the stored tensors (default float32: lossless)")
+  parser.add_argument("--max_shard_size", default="5GB",
+                      help="split the tensors into files of at most this size (default 5GB)")
+  args = parser.parse_args(argv)
+  try:
+    copied = export(args.workdir, args.output, step=args.step, dtype=args.dtype,
+                    max_shard_bytes=parse_size(args.max_shard_size))
+  except (ValueError, FileNotFoundError, NotImplementedError) as error:
+    parser.error(str(error))
+  print(f"wrote {args.output}"
+        + (f" with {', '.join(copied)}" if copied else
+           " (a character tokenizer: no tokenizer files)"))
+  return 0
+
+
+def run() -> None:
+  """The console script ``stabledrl-export``."""
+  sys.exit(main())
+
+
+if __name__ == "__main__":
+  run()

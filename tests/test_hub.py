@@ -1,0 +1,120 @@
+"""Hub ids wherever a path is taken, tested offline on a directory laid out as the Hub cache.
+
+The cache layout is huggingface_hub's: ``models--OWNER--NAME/refs/main`` holds the commit,
+``snapshots/<commit>/`` the files. With ``HF_HUB_OFFLINE=1`` ``snapshot_download`` resolves an id
+from the cache alone, as it would on a machine that fetched it before.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from stabledrl_jax import hub, models
+from stabledrl_jax.training import specs
+
+from test_tokenizers import _tiny_llada_tokenizer_json
+from test_training import tiny_config
+
+REPO_ID = "test-org/tiny-llada"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_cache(root: pathlib.Path) -> pathlib.Path:
+  """A Hub cache holding REPO_ID: a tiny LLaDA checkpoint and a LLaDA-conventions tokenizer."""
+  repo = root / ("models--" + REPO_ID.replace("/", "--"))
+  snapshot = repo / "snapshots" / COMMIT
+  snapshot.mkdir(parents=True)
+  (repo / "refs").mkdir()
+  (repo / "refs" / "main").write_text(COMMIT)
+  config = models.get_config("tiny", n_layers=1, vocab_size=126464, embedding_size=126464,
+                             d_model=16, n_heads=2, n_kv_heads=2, mlp_hidden_size=32)
+  models.save_pretrained(models.init_model(config, seed=7), str(snapshot))
+  _tiny_llada_tokenizer_json(snapshot / "tokenizer.json")
+  return root
+
+
+def test_hub_ids_and_local_paths():
+  assert hub.is_hub_id("GSAI-ML/LLaDA-8B-Instruct") and hub.is_hub_id("JetLM/SDAR-8B-Chat")
+  for local in ("/abs/path", "runs/x/y", "gs://bucket/run", "./a", "model", ""):
+    assert not hub.is_hub_id(local), local
+    assert hub.local_path(local) == local
+  with pytest.raises(ValueError, match="download='everywhere'"):
+    hub.local_path(REPO_ID, download="everywhere")
+
+
+def test_a_hub_id_loads_offline_from_the_cache(tmp_path):
+  """In a fresh process with HF_HUB_OFFLINE=1: the model, its tokenizer and an evaluation
+  source by id, bit for bit the saved parameters; an id not in the cache is a clear error."""
+  cache = _hub_cache(tmp_path / "cache")
+  script = textwrap.dedent(f"""
+      import json, numpy as np
+      from flax import nnx
+      import jax
+      from stabledrl_jax import hub, models, tokenizers
+      from stabledrl_jax.training import checkpoint_source
+      model = models.from_pretrained({REPO_ID!r})
+      direct = models.from_pretrained(hub.local_path({REPO_ID!r}))
+      same = all(np.array_equal(a, b) for a, b in zip(
+          jax.tree.leaves(nnx.state(model, nnx.Param)),
+          jax.tree.leaves(nnx.state(direct, nnx.Param))))
+      tok = tokenizers.HFTokenizer.llada({REPO_ID!r})
+      source = checkpoint_source.resolve({REPO_ID!r})
+      try:
+        models.load_config("test-org/not-in-cache")
+        missing = ""
+      except FileNotFoundError as error:
+        missing = str(error)
+      print(json.dumps(dict(same=same, layers=model.config.n_layers, mask=tok.mask_id,
+                            kind=source.kind, snapshot=source.path, missing=missing)))
+  """)
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), JAX_PLATFORMS="cpu")
+  env.pop("HF_HOME", None)
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=300, check=True)
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["same"] and got["layers"] == 1 and got["mask"] == 126336
+  assert got["kind"] == "huggingface"
+  assert got["snapshot"].endswith(os.path.join("snapshots", COMMIT))
+  assert "test-org/not-in-cache" in got["missing"] and "huggingface-cli download" in got["missing"]
+
+
+def test_a_run_starts_from_a_hub_id(tmp_path, monkeypatch):
+  """--config.model.checkpoint=OWNER/NAME and --config.tokenizer.path=OWNER/NAME: the trainer
+  builds the model and tokenizer from the cache (validation passes; one rollout is decoded)."""
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import data, trainer  # pylint: disable=g-import-not-at-top
+  cache = _hub_cache(tmp_path / "cache")
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  config = tiny_config(**{"model.checkpoint": REPO_ID, "tokenizer.kind": "llada",
+                          "tokenizer.path": REPO_ID, "sft.num_steps": 0})
+  specs.validate(config, num_devices=1)
+  tokenizer = data.make_tokenizer(config.tokenizer)
+  assert tokenizer.mask_id == 126336
+  model = trainer.build_model(config, tokenizer, mesh=None)
+  assert model.config.n_layers == 1 and model.config.d_model == 16
+
+
+@pytest.mark.parametrize("field", ["model.checkpoint", "tokenizer.path"])
+def test_placeholders_fail_in_validation_with_what_to_pass(field):
+  config = tiny_config(**{field: "/path/to/LLaDA-8B-Instruct"})
+  with pytest.raises(ValueError, match=rf"config\.{field}: .*placeholder.*Hub id"):
+    specs.validate(config)
+
+
+def test_the_paper_configs_name_the_released_models_by_hub_id():
+  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  for name, repo in (("llada8b_gsm8k", "GSAI-ML/LLaDA-8B-Instruct"),
+                     ("sdar8b_math", "JetLM/SDAR-8B-Chat")):
+    config = config_lib.get(name)
+    assert config.model.checkpoint == repo and config.tokenizer.path == repo
+    assert hub.is_hub_id(config.model.checkpoint)
+  bad = config_lib.get("llada8b_gsm8k")
+  bad.model.download = "sometimes"
+  with pytest.raises(ValueError, match=r"config\.model\.download"):
+    specs.validate(bad)
