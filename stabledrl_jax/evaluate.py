@@ -364,6 +364,17 @@ def data_sources(pairs: Sequence[str], names: Sequence[str]) -> dict[str, str]:
   return sources
 
 
+def _check_writable(directory: str, flag: str) -> None:
+  """ValueError naming ``flag`` unless ``directory`` can be created and written (nothing is
+  created: the nearest existing ancestor must be a writable directory)."""
+  path = pathlib.Path(os.path.abspath(directory))
+  ancestor = next(p for p in (path, *path.parents) if p.exists())
+  if not ancestor.is_dir():
+    raise ValueError(f"{flag} {directory!r} is not writable: {ancestor} is not a directory")
+  if not os.access(ancestor, os.W_OK | os.X_OK):
+    raise ValueError(f"{flag} {directory!r} is not writable: no write permission on {ancestor}")
+
+
 def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   """Generates the missing shards of every task and length, then scores OUTPUT_DIR.
 
@@ -387,6 +398,10 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if options.model_name and not _MODEL_NAME.fullmatch(options.model_name):
     raise ValueError(f"model name {options.model_name!r} may hold only letters, digits, '.' "
                      "and '-' (its fields are split on '_')")
+  if multihost.is_primary():  # Before any decoding: a run must not end unable to write.
+    _check_writable(options.output_dir, "--output_dir")
+    if options.output:
+      _check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
   try:
     mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES,
                                                                  options.mesh))),

@@ -88,7 +88,34 @@ def setup_records(directory: str | pathlib.Path, task_name: str) -> list[dict[st
   if not shards:
     raise ValueError(f"{directory} has no {task_name}_..._SHARD_generations.json files")
   return [record for _, path in sorted(shards[min(shards)])
-          for record in tasks.read_records(path)]
+          for record in read_generation_file(path)]
+
+
+def read_generation_file(path: str | pathlib.Path) -> list[dict[str, Any]]:
+  """The records of one d1 generation file, its schema checked.
+
+  Raises:
+    ValueError naming the file: unreadable, not JSON, or not {"generations": [{"question",
+    "generations" (text), "ground_truth"}, ...]}.
+  """
+  path = pathlib.Path(path)
+  try:
+    data = json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    raise ValueError(f"{path}: not a readable JSON file ({error})") from None
+  records = data.get("generations") if isinstance(data, dict) else None
+  if not isinstance(records, list):
+    raise ValueError(f'{path}: expected {{"generations": [records]}}, got '
+                     f"{type(data).__name__}" + (f" with generations of type "
+                                                 f"{type(records).__name__}"
+                                                 if isinstance(data, dict) else ""))
+  for i, record in enumerate(records):
+    if not isinstance(record, dict):
+      raise ValueError(f"{path}: generations[{i}] is a {type(record).__name__}, not a record")
+    if not isinstance(record.get("generations", ""), str):
+      raise ValueError(f"{path}: generations[{i}].generations is a "
+                       f"{type(record['generations']).__name__}, not the completion's text")
+  return records
 
 
 def score_records(task: tasks.Task, records: Iterable[Mapping[str, Any]],
@@ -102,13 +129,28 @@ def score_records(task: tasks.Task, records: Iterable[Mapping[str, Any]],
   return result
 
 
-def score_generation_files(paths: Sequence[str | pathlib.Path]) -> dict[str, SetupResult]:
-  """Scores files and directories of d1 generation files; one result per setup, sorted."""
+def score_generation_files(paths: Sequence[str | pathlib.Path],
+                           skipped: list[str] | None = None) -> dict[str, SetupResult]:
+  """Scores files and directories of d1 generation files; one result per setup, sorted.
+
+  A file that cannot be scored (unreadable, malformed, an unknown task prefix) is skipped and
+  its reason, naming it, appended to ``skipped``; without ``skipped`` it raises ValueError.
+  """
   results: dict[str, SetupResult] = {}
   for path in generation_files(paths):
     setup = setup_of(path)
-    records = tasks.read_records(path)
-    score_records(task_of(setup), records, results.setdefault(setup, SetupResult()))
+    try:
+      try:
+        task = task_of(setup)
+      except KeyError as error:  # An unknown task prefix.
+        raise ValueError(f"{path}: {error.args[0]}") from None
+      records = read_generation_file(path)
+    except ValueError as error:
+      if skipped is None:
+        raise
+      skipped.append(str(error))
+      continue
+    score_records(task, records, results.setdefault(setup, SetupResult()))
   return dict(sorted(results.items()))
 
 
@@ -150,12 +192,19 @@ def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | Non
            ) -> dict[str, SetupResult]:
   """Scores `paths`, prints the table and, given `output`, writes {setup: {accuracy, n}} there.
 
+  Files that cannot be scored are skipped and listed on stderr.
+
   Raises:
-    ValueError: no generation files under `paths`.
+    ValueError: no generation file under `paths` could be scored.
   """
-  results = score_generation_files(paths)
+  skipped: list[str] = []
+  results = score_generation_files(paths, skipped)
+  for reason in skipped:
+    print(f"skipped {reason}", file=sys.stderr)
   if not results:
-    raise ValueError(f"no *_SHARD_generations.json files in {', '.join(map(str, paths))}")
+    raise ValueError(f"no scorable *_SHARD_generations.json files in "
+                     f"{', '.join(map(str, paths))}" + (f" ({len(skipped)} skipped)"
+                                                        if skipped else ""))
   print(format_table(results))
   if output:
     pathlib.Path(output).write_text(json.dumps(results_as_json(results), indent=2) + "\n",

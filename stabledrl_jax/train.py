@@ -30,14 +30,23 @@ multihost.define_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error (a bad config "
+                             "value, a busy or mismatched workdir) instead of one line.")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
-  multihost.initialize_from_flags()
-  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
-  trainer.train(_CONFIG.value, _WORKDIR.value)
+  try:
+    multihost.initialize_from_flags()
+    from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+    trainer.train(_CONFIG.value, _WORKDIR.value)
+  except (ValueError, FileNotFoundError, NotImplementedError, ImportError, RuntimeError) as error:
+    if _VERBOSE.value:
+      raise
+    sys.exit(f"error: {error}\n(--verbose shows the traceback)")
 
 
 def run() -> None:

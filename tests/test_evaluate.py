@@ -85,8 +85,7 @@ def workdir(tmp_path_factory):
   path = tmp_path_factory.mktemp("workdir") / "tiny-run"
   run = trainer.Trainer(tiny_config(**{"sft.num_steps": 0, "data.eval_size": 4}), str(path))
   params = {1: _save_step(run, 1, 0.5), 2: _save_step(run, 2, 3.0)}
-  run.checkpointer.close()
-  run.writer.close()
+  run.close()
   return path, params
 
 

@@ -87,7 +87,7 @@ def test_benchmark_writes_rows_and_counts_flops(tmp_path):
   run_script("benchmark.py", f"--output={out}", "--configs=tiny", "--repeats=1",
              "--group_size=2", "--num_samples=1", "--prompt_length=16", "--gen_length=32",
              "--steps=8", "--peak_sizes=128,256", "--peak_seconds=0.05", "--scaling_config=tiny",
-             "--scale_group_sizes=1,2",
+             "--scale_group_sizes=2,4",
              "--scale_num_samples=1", "--scale_gen_lengths=32")
   bench = json.loads(out.read_text())
   assert bench["peak_flops"] > 0 and bench["dtype"] == "float32"
@@ -107,7 +107,7 @@ def test_benchmark_writes_rows_and_counts_flops(tmp_path):
       config, 2, 48, span=32)
   assert rows["sampler"]["flops"] == 8 * flops.forward_flops(config, 2, 48, span=32)
   assert sorted((s["vary"], s["value"]) for s in bench["scaling"]) == [
-      ("gen_length", 32), ("group_size", 1), ("group_size", 2), ("num_samples", 1)]
+      ("gen_length", 32), ("group_size", 2), ("group_size", 4), ("num_samples", 1)]
   assert {s["relative_cost"] for s in bench["scaling"] if s["value"] == 1} == {1.0}
 
 

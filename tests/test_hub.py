@@ -32,7 +32,8 @@ def _hub_cache(root: pathlib.Path) -> pathlib.Path:
   (repo / "refs").mkdir()
   (repo / "refs" / "main").write_text(COMMIT)
   config = models.get_config("tiny", n_layers=1, vocab_size=126464, embedding_size=126464,
-                             d_model=16, n_heads=2, n_kv_heads=2, mlp_hidden_size=32)
+                             d_model=16, n_heads=2, n_kv_heads=2, mlp_hidden_size=32,
+                             mask_token_id=126336, eos_token_id=126081)  # LLaDA's ids.
   models.save_pretrained(models.init_model(config, seed=7), str(snapshot))
   _tiny_llada_tokenizer_json(snapshot / "tokenizer.json")
   return root

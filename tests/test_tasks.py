@@ -186,7 +186,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
 
 def test_hub_without_datasets_says_what_to_do(monkeypatch):
   monkeypatch.setitem(sys.modules, "datasets", None)
-  with pytest.raises(ImportError, match="pip install datasets"):
+  with pytest.raises(ImportError, match=r"pip install .stabledrl_jax\[datasets\]."):
     tasks.load_examples("gsm8k")
 
 

@@ -199,12 +199,12 @@ def test_every_shipped_config_validates():
 # ---------------------------------------------------------------------------
 
 
-def _toy_update(advantages):
+def _toy_update(advantages, tx=None):
   config = models.get_config("tiny", n_layers=1, vocab_size=16, mask_token_id=15,
                              eos_token_id=14)
   model = models.LLaDA(config, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  tx = optax.adamw(1e-2)
+  tx = tx or optax.adamw(1e-2)
   state = train_step.create_train_state(params, tx, seed=0)
   n, length = 4, 10
   tokens = jax.random.randint(jax.random.key(1), (n, length), 0, 14)

@@ -88,13 +88,18 @@ class _Reader:
       file_path = os.path.join(path, name)
       if not os.path.exists(file_path):
         raise CheckpointError(f"{INDEX_FILE} lists {name}, which is not in {path}")
-      handles[name] = stack.enter_context(safe_open(file_path, framework="numpy"))
+      try:
+        handles[name] = stack.enter_context(safe_open(file_path, framework="numpy"))
+      except Exception as error:  # pylint: disable=broad-except  (safetensors' own errors)
+        raise CheckpointError(f"{file_path} cannot be read as safetensors: {error}") from None
     self._files: dict[str, Any] = {}
+    self._file_of: dict[str, str] = {}
     for name, handle in handles.items():
       for key in handle.keys():
         if weight_map is not None and weight_map.get(key) != name:
           continue
         self._files[key] = handle
+        self._file_of[key] = os.path.join(path, name)
     if weight_map is not None:
       for key, name in weight_map.items():
         if key not in self._files:
@@ -107,10 +112,25 @@ class _Reader:
     return tuple(self._files[name].get_slice(name).get_shape())
 
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-    """The tensor, or its `index` slice, as numpy (only that slice is read from the file)."""
-    if index is None:
-      return self._files[name].get_tensor(name)
-    return _read_slice(self._files[name].get_slice(name), index)
+    """The tensor, or its `index` slice, as numpy (only that slice is read from the file).
+
+    Raises:
+      CheckpointError naming the tensor and its file: unreadable (truncated) or not finite.
+    """
+    try:
+      value = (self._files[name].get_tensor(name) if index is None
+               else _read_slice(self._files[name].get_slice(name), index))
+    except Exception as error:  # pylint: disable=broad-except  (safetensors' own errors)
+      raise CheckpointError(f"tensor {name!r} of {self.file(name)} cannot be read: "
+                            f"{error}") from None
+    if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
+      raise CheckpointError(f"tensor {name!r} of {self.file(name)} holds non-finite values "
+                            "(NaN or infinity)")
+    return value
+
+  def file(self, name: str) -> str:
+    """The file that holds tensor ``name``."""
+    return self._file_of.get(name, "?")
 
 
 def _read_slice(tensor_slice: Any, index: tuple[slice, ...]) -> np.ndarray:

@@ -79,8 +79,9 @@ def load_hub_records(path: str, config: str | None = None,
     import datasets  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ImportError(
-        f"Loading {path!r} from the Hugging Face Hub needs the optional `datasets` package "
-        "(pip install datasets) and network access. Offline, pass a local .jsonl/.csv/.parquet "
-        "file instead, or use the synthetic generators.") from None
+        f"Loading {path!r} from the Hugging Face Hub needs the `datasets` extra: pip install "
+        "'stabledrl_jax[datasets]' (and network access, or the dataset in the Hub cache with "
+        "HF_HUB_OFFLINE=1). Otherwise pass a local .jsonl/.csv/.parquet file, or use the "
+        "synthetic generators.") from None
   dataset = datasets.load_dataset(path, config, split=split)
   return [dict(row) for row in dataset]

@@ -215,4 +215,8 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
     params = checkpointer.restore_params(source.step, target)
   finally:
     checkpointer.close()
+  bad = checkpointing.nonfinite_leaves(params)
+  if bad:
+    raise ValueError(f"checkpoint step {source.step} of {source.path} holds non-finite "
+                     f"parameters: {', '.join(bad[:5])}" + (", ..." if len(bad) > 5 else ""))
   return nnx.merge(graphdef, params)

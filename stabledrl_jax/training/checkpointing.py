@@ -14,15 +14,23 @@ shards and agrees on completion.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import socket
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from absl import flags
+from absl import flags, logging
 from etils import epath
 
 
 CHECKPOINT_DIR = "checkpoints"
+# Checkpoints that could not be restored are moved here (beside checkpoints/, out of orbax's
+# sight), not deleted: the evidence stays.
+DAMAGED_DIR = "checkpoints_damaged"
 
 
 def _use_distributed_barriers() -> None:
@@ -100,6 +108,37 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["meta"]
 
+  def restore_meta(self, step: int) -> dict[str, Any]:
+    """The JSON item of ``step`` alone (data-iterator state, the run's config)."""
+    return self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+
+  def stored_shapes(self, step: int) -> list[tuple[int, ...]]:
+    """The shapes of the arrays of ``step``'s state item, sorted (from its metadata alone)."""
+    metadata = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state")
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(
+        tree, is_leaf=lambda x: hasattr(x, "shape")))
+    if not shapes:
+      raise ValueError(f"{self.directory / str(step) / 'state'} has no readable array metadata")
+    return shapes
+
+  def set_aside(self, step: int) -> epath.Path:
+    """Moves checkpoint ``step`` to ``<workdir>/checkpoints_damaged/<step>`` (process 0; the
+    others wait) and forgets it; returns where it went."""
+    target = self.directory.parent / DAMAGED_DIR / str(step)
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      if target.exists():
+        target = target.parent / f"{step}.{len(list(target.parent.iterdir()))}"
+      (self.directory / str(step)).rename(target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+    self._manager.reload()
+    return target
+
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """The parameters of ``step`` alone; the optimizer state is not read.
 
@@ -125,3 +164,99 @@ def abstract_like(tree: Any) -> Any:
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
       tree)
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+  """The paths (``jax.tree_util.keystr``) of the floating arrays of ``tree`` that hold a NaN or
+  an infinity. Every process gets the same answer for global arrays."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  floating = [(path, x) for path, x in flat if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not floating:
+    return []
+  finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])(
+      [x for _, x in floating]))
+  return [jax.tree_util.keystr(path) for (path, _), ok in zip(floating, finite) if not ok]
+
+
+# Fields that define what a workdir's checkpoints hold: a resume must not change them.
+RUN_IDENTITY = ("model.family", "model.name", "model.overrides", "model.checkpoint",
+                "model.param_dtype", "model.scan_layers", "tokenizer.kind", "tokenizer.path",
+                "tokenizer.alphabet", "objective.name", "task.name", "rollout.num_prompts",
+                "rollout.group_size", "rollout.prompt_length", "rollout.gen_length")
+
+
+def _field(config: Any, dotted: str) -> Any:
+  node = config
+  for part in dotted.split("."):
+    if hasattr(node, "to_dict"):
+      node = node.to_dict()
+    if not isinstance(node, dict) or part not in node:
+      return None
+    node = node[part]
+  return node.to_dict() if hasattr(node, "to_dict") else node
+
+
+def check_resume(config: Any, saved: dict[str, Any], where: str) -> None:
+  """Raises ValueError, one line, naming every ``RUN_IDENTITY`` field in which ``config`` differs
+  from ``saved`` (the config stored with the checkpoint ``where``)."""
+  diffs = []
+  for name in RUN_IDENTITY:
+    want, have = _field(saved, name), _field(config, name)
+    if want is not None and have != want:
+      diffs.append(f"{name} {have!r} here, {want!r} in the checkpoint")
+  if diffs:
+    raise ValueError(f"config does not match {where}: " + "; ".join(diffs) + ". Resume with the "
+                     "checkpoint's values, or start a new --workdir.")
+
+
+class WorkdirLock:
+  """``<workdir>/LOCK``: the host and pid of the trainer that owns the workdir (process 0).
+
+  A second trainer on the same workdir is refused while the owner lives: on this host its pid
+  is checked; on another host the lock counts as live until it is ``stale_after_s`` old (the
+  owner touches it every step). A lock of a dead process is taken over with a warning.
+  """
+
+  NAME = "LOCK"
+
+  def __init__(self, workdir: epath.PathLike, *, stale_after_s: float = 3600.0):
+    self.path = epath.Path(workdir) / self.NAME
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    if self.path.exists():
+      try:
+        owner = json.loads(self.path.read_text())
+      except (OSError, ValueError):
+        owner = {}
+      if owner and (owner.get("pid"), owner.get("host")) != (me["pid"], me["host"]):
+        if self._alive(owner, me, stale_after_s):
+          raise RuntimeError(
+              f"workdir {workdir} is in use by process {owner.get('pid')} on host "
+              f"{owner.get('host')!r} (started {time.ctime(owner.get('started', 0))}). Stop it "
+              f"or choose another --workdir; if no trainer runs there, delete {self.path}.")
+        logging.warning("taking over the stale lock of process %s on %s (%s)",
+                        owner.get("pid"), owner.get("host"), self.path)
+    self.path.write_text(json.dumps(me))
+    self._me = me
+
+  def _alive(self, owner: dict[str, Any], me: dict[str, Any], stale_after_s: float) -> bool:
+    if owner.get("host") == me["host"]:
+      try:
+        os.kill(int(owner.get("pid", 0)), 0)
+      except (ProcessLookupError, ValueError):
+        return False
+      except PermissionError:  # Another user's live process.
+        return True
+      return int(owner.get("pid", 0)) > 0
+    try:
+      age = time.time() - self.path.stat().mtime
+    except (OSError, AttributeError):
+      return True
+    return age < stale_after_s
+
+  def touch(self) -> None:
+    """Marks the owner alive (for trainers on other hosts)."""
+    self.path.write_text(json.dumps(self._me))
+
+  def release(self) -> None:
+    if self.path.exists():
+      self.path.unlink()

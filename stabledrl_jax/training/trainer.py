@@ -241,9 +241,18 @@ class Trainer:
     self.config = config
     self.workdir = checkpointing.resolve_workdir(workdir)
     self.primary = multihost.is_primary()
+    self.lock = None
     if self.primary:
       self.workdir.mkdir(parents=True, exist_ok=True)
-      (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+      self.lock = checkpointing.WorkdirLock(self.workdir)  # Refuses a second trainer.
+    try:
+      self._build(config)
+    except BaseException:
+      if self.lock is not None:
+        self.lock.release()
+      raise
+
+  def _build(self, config: ml_collections.ConfigDict) -> None:
     self.mesh = mesh_lib.make_mesh(config.mesh)
     # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
     self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
@@ -287,10 +296,12 @@ class Trainer:
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
-      state, meta = self.checkpointer.restore(latest, checkpointing.abstract_like(state))
+      state, meta = self._restore(state)
       self.data_iter.restore(meta["data"])
       self.start_step = int(state.step)
     self.state = state
+    if self.primary:  # Only now: a failed resume leaves the workdir as it was.
+      (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
     self.spec = specs.likelihood_spec(config, self.model_config)
     self.spec_settings = specs.estimator_settings(config)
@@ -314,6 +325,62 @@ class Trainer:
             or profiling.peak_flops_per_device(self.mesh.devices.flat[0]))
     self.peak_flops = peak * self.mesh.devices.size if peak else None
     self.samples = []  # This step's sample rollouts, for the writer.
+
+  def _restore(self, state: train_step.TrainState) -> tuple[train_step.TrainState, dict]:
+    """The newest checkpoint that restores whole and finite, after checking that it is this
+    run's (``checkpointing.check_resume``, before anything is written).
+
+    Checkpoints newer than it that cannot be read, or whose parameters are not all finite, are
+    moved to ``<workdir>/checkpoints_damaged/`` with a warning naming why. If none restores,
+    nothing is moved (a fault that hits every step is not damage) and the error says why the
+    latest failed. A checkpoint of another run (other model, objective, tokenizer) is an error,
+    never damage.
+    """
+    abstract = checkpointing.abstract_like(state)
+    want_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract))
+    damaged = []
+    for step in reversed(self.checkpointer.all_steps()):
+      where = f"{self.checkpointer.directory}/{step}"
+      try:
+        meta = self.checkpointer.restore_meta(step)
+        shapes = self.checkpointer.stored_shapes(step)
+      except Exception as error:  # pylint: disable=broad-except
+        damaged.append((step, f"its metadata cannot be read ({type(error).__name__}: {error})"))
+        continue
+      if "config" in meta:
+        checkpointing.check_resume(self.config, meta["config"], where)
+      if shapes != want_shapes:
+        mismatch = next(((a, b) for a, b in zip(shapes, want_shapes) if a != b),
+                        (len(shapes), len(want_shapes)))
+        raise ValueError(f"config does not match {where}: its {len(shapes)} arrays do not have "
+                         f"the shapes of this model's state ({len(want_shapes)}; e.g. "
+                         f"{mismatch[0]} stored vs {mismatch[1]}). Resume with the "
+                         "checkpoint's model config, or start a new --workdir.")
+      try:
+        restored, meta = self.checkpointer.restore(step, abstract)
+      except Exception as error:  # pylint: disable=broad-except
+        damaged.append((step, f"it cannot be restored ({type(error).__name__}: {error})"))
+        continue
+      bad = checkpointing.nonfinite_leaves(restored.params)
+      if bad:
+        damaged.append((step, f"{len(bad)} parameters are not finite ({', '.join(bad[:3])}"
+                              + (", ..." if len(bad) > 3 else "") + ")"))
+        continue
+      for bad_step, why in damaged:
+        self._set_aside(bad_step, why, step)
+      return restored, meta
+    latest, why = damaged[0]
+    raise ValueError(f"no checkpoint in {self.checkpointer.directory} can be restored; the latest "
+                     f"(step {latest}): {why[:300]}. Nothing was moved; fix the cause, or start "
+                     "a new --workdir")
+
+  def _set_aside(self, step: int, why: str, fallback: int) -> None:
+    target = self.checkpointer.set_aside(step)
+    message = (f"checkpoint step {step} is damaged: {why[:300]}; moved to {target}; resuming "
+               f"from step {fallback}")
+    if self.primary:
+      logging.warning(message)
+      print(f"warning: {message}", file=sys.stderr, flush=True)
 
   # -------------------------------------------------------------------------
   # Pieces of a step.
@@ -534,11 +601,17 @@ class Trainer:
         history.append({"step": done, **metrics})
         progress.set_postfix(reward=f"{metrics['rewards/mean']:.3f}",
                              step_s=f"{metrics['time/step_s']:.2f}")
+        if self.lock is not None:
+          self.lock.touch()
         if int(self.state.consecutive_skips) >= config.train.max_consecutive_skips:
+          self.checkpointer.wait()
+          last = self.checkpointer.latest_step()
           raise TooManySkipsError(
-              f"{int(self.state.consecutive_skips)} consecutive updates had a non-finite loss "
-              f"or gradient (step {done}); stopping. The last good checkpoint is intact in "
-              f"{self.checkpointer.directory}.")
+              f"{int(self.state.consecutive_skips)} consecutive updates were skipped (a "
+              f"non-finite loss, gradient, update or parameters; step {done}); stopping. "
+              + (f"The last good checkpoint is step {last} in {self.checkpointer.directory}."
+                 if last is not None else "No checkpoint was written: every saved state must "
+                 "pass that check, and none did."))
         preempted = watcher.reached(done)
         due = done % config.checkpoint.every_steps == 0 or done == config.train.num_steps
         if config.checkpoint.every_seconds:  # Clocks differ: process 0 decides for all.
@@ -560,11 +633,19 @@ class Trainer:
     finally:
       watcher.close()
       progress.close()
-      self.checkpointer.close()
-      self.scorer.close()
-      if self.writer is not None:
-        self.writer.close()
+      self.close()
     return history
+
+  def close(self) -> None:
+    """Finishes the saves in flight, closes the writers and the reward pool, and releases the
+    workdir (``run`` does this when it ends)."""
+    self.checkpointer.close()
+    self.scorer.close()
+    if self.writer is not None:
+      self.writer.close()
+    if self.lock is not None:  # Last: the saves above have finished.
+      self.lock.release()
+      self.lock = None
 
   def _write(self, step: int, metrics: dict[str, Any]) -> None:
     if self.writer is not None:

@@ -1,0 +1,280 @@
+"""Faults a user can cause, and what happens (docs/reliability.md has the table): poisoned
+updates, torn metrics, resumes of another run, a second trainer, damaged checkpoints, bad files
+for the scoring CLI and the loaders."""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import save_file
+
+from stabledrl_jax import losses, models, scoring
+from stabledrl_jax.training import checkpointing, metrics_writer, specs, trainer
+
+from test_training import _toy_update, tiny_config
+
+
+def _quick(**updates):
+  """One or two RL steps from random weights (no supervised start), a checkpoint each step."""
+  return tiny_config(**{"sft.num_steps": 0, "train.num_steps": 2, "train.num_iterations": 1,
+                        **updates})
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A finished two-step run (checkpoints 1 and 2), copied by each test that changes it."""
+  workdir = tmp_path_factory.mktemp("run")
+  trainer.train(_quick(), str(workdir))
+  return workdir
+
+
+def _copy(run, tmp_path):
+  target = tmp_path / "run"
+  shutil.copytree(run, target)
+  return target
+
+
+# ---------------------------------------------------------------------------
+# 1. No poisoned state.
+# ---------------------------------------------------------------------------
+
+
+def test_an_update_with_non_finite_parameters_is_skipped():
+  """An infinite learning rate: finite loss and gradient, non-finite update -> not kept."""
+  state, new_state, metrics = _toy_update(jnp.array([1.0, -1.0, 0.5, -0.5]),
+                                          tx=optax.adamw(jnp.inf))
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert not np.isfinite(float(metrics["update_norm"]))
+  assert int(metrics["skipped"]) == 1 and int(new_state.consecutive_skips) == 1
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new_state.params)):
+    np.testing.assert_array_equal(a, b)
+  assert not checkpointing.nonfinite_leaves(new_state)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("optimizer.learning_rate", float("inf")), ("optimizer.learning_rate", 1e30),
+    ("optimizer.learning_rate", float("nan")), ("optimizer.learning_rate", 0.0),
+    ("sft.learning_rate", -1.0), ("optimizer.weight_decay", float("nan")),
+    ("rollout.group_size", 1), ("eval.batch_size", 0), ("data.train_size", 0),
+    ("data.train_size", 1),  # fewer than one batch of prompts (2)
+])
+def test_values_that_poison_or_void_a_run_name_their_field(field, value):
+  with pytest.raises(ValueError, match=rf"^config\.{field.replace('.', r'[.]')}: "):
+    specs.validate(tiny_config(**{field: value}))
+
+
+@losses.register_objective("nan_test", normalize="mean", estimator=dict(method="elbo"))
+def _nan_objective(inputs, *, group_size):
+  del group_size
+  return jnp.nan * jnp.mean(inputs.logp), {}
+
+
+def test_too_many_skips_says_that_no_checkpoint_exists(tmp_path):
+  config = _quick(**{"objective.name": "nan_test", "train.max_consecutive_skips": 1})
+  with pytest.raises(trainer.TooManySkipsError, match="No checkpoint was written"):
+    trainer.train(config, str(tmp_path))
+  assert checkpointing.Checkpointer(tmp_path, read_only=True).all_steps() == []
+
+
+# ---------------------------------------------------------------------------
+# 3. History is append-only.
+# ---------------------------------------------------------------------------
+
+
+def _metrics_file(tmp_path, lines):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(lines))
+  return path
+
+
+def test_a_cut_metrics_line_is_skipped_and_never_hides_what_follows(tmp_path):
+  lines = [json.dumps({"step": i, "loss": float(i)}) + "\n" for i in range(1, 6)]
+  lines[2] = lines[2][:9] + "\n"  # Step 3 cut in the middle.
+  path = _metrics_file(tmp_path, lines)
+  assert [r["step"] for r in metrics_writer.read_metrics(path)] == [1, 2, 4, 5]
+  writer = metrics_writer.MetricsWriter(tmp_path, resume_step=4, tensorboard=False)
+  writer.write(5, {"loss": 50.0})
+  writer.close()
+  records = metrics_writer.read_metrics(path)
+  assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (4, 4.0), (5, 50.0)]
+
+
+def test_a_torn_last_line_is_dropped_and_the_rest_kept(tmp_path):
+  lines = [json.dumps({"step": i}) + "\n" for i in range(1, 4)] + ['{"step": 4, "lo']
+  path = _metrics_file(tmp_path, lines)
+  writer = metrics_writer.MetricsWriter(tmp_path, resume_step=3, tensorboard=False)
+  writer.write(4, {"loss": 4.0})
+  writer.close()
+  assert [r["step"] for r in metrics_writer.read_metrics(path)] == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------
+# 4. Resume checks before anything is written; one trainer per workdir.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model.overrides.d_model", 48), ("objective.name", "spg"), ("tokenizer.alphabet", "0123"),
+])
+def test_a_resume_with_another_run_config_fails_and_writes_nothing(run, tmp_path, field, value):
+  workdir = _copy(run, tmp_path)
+  before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and p.name != "LOCK"}
+  with pytest.raises(ValueError, match=rf"config does not match .*{field.split('.')[0]}.*"
+                                       r"start a new --workdir"):
+    trainer.train(_quick(**{field: value, "train.num_steps": 3}), str(workdir))
+  after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+  assert after == before  # config.json, metrics and checkpoints untouched; no lock left.
+
+
+def test_a_second_trainer_on_a_workdir_is_refused_and_a_stale_lock_taken_over(run, tmp_path):
+  workdir = _copy(run, tmp_path)
+  lock = workdir / checkpointing.WorkdirLock.NAME
+  owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": owner.pid,
+                                "started": time.time()}))
+    with pytest.raises(RuntimeError, match=rf"in use by process {owner.pid}"):
+      trainer.train(_quick(**{"train.num_steps": 3}), str(workdir))
+    assert json.loads(lock.read_text())["pid"] == owner.pid  # The owner's lock stays.
+  finally:
+    owner.kill()
+    owner.wait()
+  # The owner died without removing its lock: taken over.
+  history = trainer.train(_quick(**{"train.num_steps": 3}), str(workdir))
+  assert [h["step"] for h in history] == [3] and not lock.exists()
+  # Another host's fresh lock is live; an hour-old one is stale.
+  lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0}))
+  with pytest.raises(RuntimeError, match="on host 'elsewhere'"):
+    checkpointing.WorkdirLock(workdir)
+  os.utime(lock, (time.time() - 7200, time.time() - 7200))
+  checkpointing.WorkdirLock(workdir).release()
+
+
+# ---------------------------------------------------------------------------
+# 5. Damaged checkpoints.
+# ---------------------------------------------------------------------------
+
+
+def _damaged_then_resumed(workdir):
+  history = trainer.train(_quick(**{"train.num_steps": 3}), str(workdir))
+  assert [h["step"] for h in history] == [2, 3]  # Resumed from step 1.
+  assert (workdir / checkpointing.DAMAGED_DIR / "2").is_dir()
+  assert checkpointing.Checkpointer(workdir, read_only=True).all_steps()[-1] == 3
+
+
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(run, tmp_path, capsys):
+  workdir = _copy(run, tmp_path)
+  state_dir = workdir / "checkpoints" / "2" / "state"
+  files = sorted((p for p in state_dir.rglob("*") if p.is_file() and p.stat().st_size > 64),
+                 key=lambda p: -p.stat().st_size)
+  for path in files:  # Every data file cut to half: the save a full disk would leave.
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  _damaged_then_resumed(workdir)
+  assert "checkpoint step 2 is damaged" in capsys.readouterr().err
+
+
+def test_a_checkpoint_missing_an_item_falls_back(run, tmp_path):
+  workdir = _copy(run, tmp_path)
+  shutil.rmtree(workdir / "checkpoints" / "2" / "meta")
+  _damaged_then_resumed(workdir)
+
+
+def test_non_finite_parameters_in_a_checkpoint_fall_back_naming_them(run, tmp_path, capsys):
+  """Step 2 rewritten with one parameter NaN (as bit rot or a bad save could leave it)."""
+  workdir = _copy(run, tmp_path)
+  _, abstract, _, _ = trainer.abstract_update(_quick())
+  checkpointer = checkpointing.Checkpointer(workdir, async_save=False)
+  state, meta = checkpointer.restore(2, abstract)
+  shutil.rmtree(workdir / "checkpoints" / "2")
+  checkpointer.close()
+  checkpointer = checkpointing.Checkpointer(workdir, async_save=False)
+  leaves, treedef = jax.tree.flatten(state.params)
+  leaves[0] = jnp.full_like(leaves[0], jnp.nan)
+  checkpointer.save(2, state.replace(params=jax.tree.unflatten(treedef, leaves)), meta)
+  checkpointer.close()
+  _damaged_then_resumed(workdir)
+  assert "parameters are not finite" in capsys.readouterr().err
+
+
+def test_damaged_safetensors_name_the_file_and_tensor(tmp_path):
+  config = models.get_config("tiny", n_layers=1)
+  models.save_pretrained(models.init_model(config), str(tmp_path / "ok"))
+  cut = tmp_path / "cut"
+  shutil.copytree(tmp_path / "ok", cut)
+  data = (cut / "model.safetensors").read_bytes()
+  (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+  with pytest.raises(models.CheckpointError, match=r"model\.safetensors"):
+    models.from_pretrained(str(cut))
+  nan = tmp_path / "nan"
+  shutil.copytree(tmp_path / "ok", nan)
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  tensors = load_file(str(nan / "model.safetensors"))
+  name = "model.transformer.ln_f.weight"
+  tensors[name] = np.full_like(tensors[name], np.nan)
+  save_file(tensors, str(nan / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(models.CheckpointError, match=rf"{name}.*model\.safetensors.*non-finite"):
+    models.from_pretrained(str(nan))
+
+
+# ---------------------------------------------------------------------------
+# 6. Clear errors.
+# ---------------------------------------------------------------------------
+
+
+def _generations(path, payload):
+  path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+  return path
+
+
+def test_the_scoring_cli_skips_and_names_bad_files(tmp_path, capsys):
+  good = {"generations": [{"question": "q", "generations": "<answer>6</answer>",
+                           "ground_truth": 6}]}
+  _generations(tmp_path / "countdown_m_8_4_0_generations.json", good)
+  bad = {
+      "countdown_m_8_4_1_generations.json": [1, 2, 3],
+      "countdown_m_8_4_2_generations.json": {"generations": 5},
+      "countdown_m_8_4_3_generations.json": "{not json",
+      "countdown_m_8_4_4_generations.json": {"generations": [{"generations": ["a", "b"]}]},
+      "chess_m_8_4_0_generations.json": good,
+  }
+  for name, payload in bad.items():
+    _generations(tmp_path / name, payload)
+  assert scoring.main([str(tmp_path)]) == 0
+  out = capsys.readouterr()
+  assert "countdown_m_8_4" in out.out and "chess" not in out.out
+  for name in bad:
+    assert f"skipped {tmp_path / name}" in out.err, name
+  assert "Unknown task 'chess'" in out.err
+  with pytest.raises(SystemExit):
+    scoring.main([str(tmp_path / "countdown_m_8_4_2_generations.json")])
+  assert "countdown_m_8_4_2_generations.json" in capsys.readouterr().err
+
+
+def test_a_config_error_is_one_line_without_a_traceback(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "stabledrl_jax.train", "--config", "quickstart", "--workdir",
+       str(tmp_path), "--config.rollout.group_size=1"], capture_output=True, text=True,
+      timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1
+  assert "error: config.rollout.group_size: 1" in out.stderr and "Traceback" not in out.stderr
+  assert not (tmp_path / "config.json").exists()
+
+
+def test_evaluate_checks_its_output_directory_before_decoding(run, tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  out = subprocess.run(
+      [sys.executable, "-m", "stabledrl_jax.evaluate", "--checkpoint", str(run), "--task",
+       "sudoku", "--output_dir", str(blocker / "out")], capture_output=True, text=True,
+      timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1 and "--output_dir" in out.stderr and "not writable" in out.stderr
