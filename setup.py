@@ -61,6 +61,7 @@ setuptools.setup(
             "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "pyarrow>=14",  # so that the Parquet loader is tested, not skipped
+            "datasets>=2.18",  # Hub datasets, tested on local copies in the Hub layout
             "nbmake>=1.5",  # executes notebooks/*.ipynb as tests
             "ipykernel>=6",  # the notebooks' kernel
         ],

@@ -16,6 +16,18 @@ Rows of the table:
 All three decode the same prompts with the same schedule; at temperature 0 their outputs must
 agree exactly, which the script checks. Times are the best of `--repeats` runs, the methods taking
 turns so that they see the same load; the first call (compilation) is reported separately.
+
+`--mode caches` compares instead block-wise KV caching (`generate(..., cache=...)`, Fast-dLLM):
+none (exact) / prefix / dual, each with the low_confidence schedule and with threshold decoding
+(`--threshold`), at the paper's decoding shape:
+
+    python experiments/benchmark_sampler.py --mode caches --prompt_length 192 --gen_length 256 \
+        --steps 128 --block_length 32
+
+It prints tokens/s, the speed-up over the exact low_confidence sampler, the model calls per
+sequence and the model's matmul FLOPs per generated token (`models.llada.flops`: a block's first
+call is a full pass that refreshes the cache, its later calls run the block (dual) or the
+completion from the block on (prefix)).
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import models, profiling
-from stabledrl_jax.sampling import categorical, generate, num_transfer_tokens
+from stabledrl_jax.models.llada import flops as flops_lib
+from stabledrl_jax.sampling import CACHES, categorical, generate, num_transfer_tokens
 
 
 def naive_generate(forward, prompt, *, mask_id, gen_length, steps, block_length, temperature,
@@ -110,6 +123,50 @@ def run_interleaved(fns, repeats):
   return outputs, [timings.first_call[i] - b for i, b in enumerate(best)], best
 
 
+def call_flops(config, *, batch: int, prompt_length: int, gen_length: int, block_length: int,
+               cache: str, blocks: int, calls: int) -> int:
+  """Matmul FLOPs of a decode: ``blocks`` first calls (full passes, the last layer's queries and
+  the head on the block) and ``calls - blocks`` later calls of the ``cache`` kind."""
+  length = prompt_length + gen_length
+  full = flops_lib.forward_flops(config, batch, length, span=block_length)
+  if cache == "none":
+    return calls * full
+  queries = block_length if cache == "dual" else gen_length
+  cached = flops_lib.cached_forward_flops(config, batch, length, queries=queries,
+                                          logit_positions=block_length)
+  return blocks * full + (calls - blocks) * cached
+
+
+def cache_table(model, prompt, key, args) -> None:
+  """Tokens/s and FLOPs per token of none / prefix / dual, with and without threshold decoding."""
+  config = model.config
+  shape = dict(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
+               temperature=args.temperature)
+  settings = [(cache, remasking) for remasking in ("low_confidence", "threshold")
+              for cache in CACHES]
+  fns = [lambda c=c, r=r: generate(model, prompt, key=key, remasking=r,
+                                   threshold=args.threshold, cache=c, return_stats=True, **shape)
+         for c, r in settings]
+  timings = profiling.time_interleaved(dict(enumerate(fns)), args.repeats)
+  tokens = args.batch * args.gen_length
+  blocks = args.gen_length // args.block_length
+  base = timings.best[0]
+  print()
+  print(f"| {'cache':<6} | {'remasking':<14} | {'time s':>7} | {'tokens/s':>9} | {'speed-up':>8} "
+        f"| {'calls/seq':>9} | {'GFLOP/token':>11} |")
+  print(f"|{'-' * 8}|{'-' * 16}|{'-' * 8}:|{'-' * 10}:|{'-' * 9}:|{'-' * 10}:|{'-' * 12}:|")
+  for i, (cache, remasking) in enumerate(settings):
+    _, stats = timings.outputs[i]
+    passes = int(stats["forward_passes"])
+    flops = call_flops(config, batch=args.batch, prompt_length=args.prompt_length,
+                       gen_length=args.gen_length, block_length=args.block_length, cache=cache,
+                       blocks=blocks, calls=passes)
+    best = timings.best[i]
+    print(f"| {cache:<6} | {remasking:<14} | {best:7.2f} | {tokens / best:9.1f} | "
+          f"{base / best:7.2f}x | {float(np.mean(stats['model_calls'])):9.1f} | "
+          f"{flops / tokens / 1e9:11.3f} |")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="small")
@@ -122,6 +179,10 @@ def main():
   parser.add_argument("--block_length", type=int, default=32)
   parser.add_argument("--temperature", type=float, default=0.9)
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--mode", default="methods", choices=("methods", "caches"),
+                      help="methods: generate against the loops; caches: KV-cache settings")
+  parser.add_argument("--threshold", type=float, default=0.9,
+                      help="tau of the threshold rows of --mode caches")
   args = parser.parse_args()
 
   config = models.get_config(args.config)
@@ -136,6 +197,9 @@ def main():
         f"temperature={args.temperature}, backend={jax.default_backend()}, "
         f"devices={jax.device_count()}")
 
+  if args.mode == "caches":
+    cache_table(model, prompt, key, args)
+    return
   graphdef, state = nnx.split(model)
   forward_jit = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
   forward = lambda x: forward_jit(state, x)

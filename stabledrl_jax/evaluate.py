@@ -41,7 +41,7 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import models, scoring, tasks
+from stabledrl_jax import models, sampling, scoring, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.training import mesh as mesh_lib, multihost
@@ -322,6 +322,7 @@ class Options:
   remasking: str = _DECODING["remasking"]
   threshold: float = _DECODING["threshold"]
   cfg_scale: float = _DECODING["cfg_scale"]
+  cache: str = _DECODING["cache"]
   batch_size: int = 64
   shard_size: int = 128
   limit: int = 0
@@ -389,7 +390,9 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   sources = data_sources(options.data, names)
   settings = [SamplerSettings.d1(length, steps=options.steps, block_length=options.block_length,
                                  temperature=options.temperature, remasking=options.remasking,
-                                 threshold=options.threshold, cfg_scale=options.cfg_scale) for length in options.gen_lengths]
+                                 threshold=options.threshold, cfg_scale=options.cfg_scale,
+                                 cache=options.cache)
+              for length in options.gen_lengths]
   if not settings:
     raise ValueError("no generation length given")
   for setting in settings:
@@ -468,6 +471,8 @@ def define_flags() -> None:
   flags.DEFINE_float("threshold", defaults.threshold, "tau of --remasking=threshold: reveal "
                      "every position more confident than tau, at least one per model call.")
   flags.DEFINE_float("cfg_scale", defaults.cfg_scale, "Classifier-free guidance (0: off).")
+  flags.DEFINE_enum("cache", defaults.cache, list(sampling.CACHES),
+                    "LLaDA's block-wise KV cache (Fast-dLLM): none (exact), prefix or dual.")
   flags.DEFINE_integer("batch_size", defaults.batch_size, "Rows per sampler call, all devices.")
   flags.DEFINE_integer("shard_size", defaults.shard_size,
                        "Examples per generation file; keep it when resuming.")

@@ -52,6 +52,8 @@ from flax import nnx
 Array = jax.Array
 
 REMASKING = ("low_confidence", "random", "threshold")
+# Block-wise KV caching (Fast-dLLM): "none" (exact), "prefix" or "dual" (the module docstring).
+CACHES = ("none", "prefix", "dual")
 
 
 def num_transfer_tokens(num_masked: Array, steps: int) -> Array:
@@ -147,11 +149,11 @@ def _reveal(confidence: Array, masked: Array, count: Array | None,
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "gen_length", "steps", "block_length", "temperature",
-                     "remasking", "threshold", "cfg_scale", "stop_at_eos"))
+                     "remasking", "threshold", "cfg_scale", "stop_at_eos", "cache"))
 def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | None, key: Array, *,
               gen_length: int, steps: int, block_length: int, temperature: float,
-              remasking: str, threshold: float, cfg_scale: float, stop_at_eos: bool
-              ) -> tuple[Array, Array, dict[str, Array]]:
+              remasking: str, threshold: float, cfg_scale: float, stop_at_eos: bool,
+              cache: str = "none") -> tuple[Array, Array, dict[str, Array]]:
   model = nnx.merge(graphdef, state)
   config = model.config
   mask_id, eos_id = config.mask_token_id, config.eos_token_id
@@ -175,29 +177,58 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     if attention_mask is not None:
       attention_mask = jnp.concatenate([attention_mask, attention_mask], axis=0)
 
-  def block_logits(tokens: Array, start: Array) -> Array:
-    """[B, block_length, V] float32 logits of the block starting at `start`."""
-    inputs = tokens
+  def model_inputs(tokens: Array) -> Array:
     if cfg_scale > 0:
       unconditional = jnp.where(is_prompt[None, :], mask_id, tokens)
-      inputs = jnp.concatenate([tokens, unconditional], axis=0)
-    hidden = model.encode(inputs, attention_mask, span=(start, block_length))
+      return jnp.concatenate([tokens, unconditional], axis=0)
+    return tokens
+
+  def block_hidden(inputs: Array, start: Array, first: Array, kv: Any) -> tuple[Array, Any]:
+    """Hidden states [B', block_length, D] of the block at `start`, and the KV cache.
+
+    Exact (cache "none"): a pass over the whole sequence, the last layer for the block's
+    queries only. Cached: the block's first step is that pass, which also refreshes every
+    layer's keys and values of every position; later steps run only the block (dual: the
+    prefix's and the suffix's keys and values from the cache) or the completion from the block on
+    (prefix: the decoded blocks' and the prompt's from the cache; queries of the completion's
+    decoded blocks are computed and dropped so that the shapes stay static).
+    """
+    if cache == "none":
+      return model.encode(inputs, attention_mask, span=(start, block_length)), kv
+
+    def refresh(kv):
+      del kv
+      return model.encode_kv(inputs, attention_mask, span=(start, block_length))
+
+    def reuse(kv):
+      if cache == "dual":
+        block = jax.lax.dynamic_slice_in_dim(inputs, start, block_length, axis=1)
+        return model.encode_cached(block, start, kv, attention_mask), kv
+      hidden = model.encode_cached(inputs[:, prompt_len:], prompt_len, kv, attention_mask,
+                                   fresh_from=start)
+      return jax.lax.dynamic_slice_in_dim(hidden, start - prompt_len, block_length, axis=1), kv
+
+    return jax.lax.cond(first, refresh, reuse, kv)
+
+  def block_logits(tokens: Array, start: Array, first: Array, kv: Any) -> tuple[Array, Any]:
+    """[B, block_length, V] float32 logits of the block starting at `start`, and the cache."""
+    hidden, kv = block_hidden(model_inputs(tokens), start, first, kv)
     logits = model.unembed(hidden).astype(jnp.float32)
     if cfg_scale > 0:
       cond, uncond = logits[:batch], logits[batch:]
       logits = uncond + (cfg_scale + 1.0) * (cond - uncond)
     vocab = jnp.arange(logits.shape[-1])
     valid = (vocab < config.vocab_size) & (vocab != mask_id)
-    return jnp.where(valid, logits, -jnp.inf)
+    return jnp.where(valid, logits, -jnp.inf), kv
 
   def step(block: Array, step_in_block: Array, schedule: Array | None, carry):
     """One model call: predict the current block, reveal some of its masked positions."""
-    tokens, reveal_step, calls = carry
+    tokens, reveal_step, calls, kv = carry
     global_step = block * max_steps + step_in_block
     step_key = jax.random.fold_in(key, global_step)
     noise_key, confidence_key = jax.random.split(step_key)
     start = prompt_len + block * block_length
-    logits = block_logits(tokens, start)
+    logits, kv = block_logits(tokens, start, step_in_block == 0, kv)
     if temperature > 0:
       x0 = categorical(noise_key, logits, temperature)
     else:
@@ -220,7 +251,7 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     seen = jax.lax.dynamic_slice_in_dim(reveal_step, offset, block_length, axis=1)
     seen = jnp.where(reveal, global_step, seen)
     reveal_step = jax.lax.dynamic_update_slice_in_dim(reveal_step, seen, offset, axis=1)
-    return tokens, reveal_step, calls
+    return tokens, reveal_step, calls, kv
 
   def decode_block(block: Array, carry):
     """Runs the steps of one block; returns the carry and the number of model calls made."""
@@ -233,7 +264,7 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
       return carry, jnp.int32(max_steps)
 
     def any_masked(inner):
-      i, (tokens, _, _) = inner
+      i, (tokens, _, _, _) = inner
       current = jax.lax.dynamic_slice_in_dim(tokens, start, block_length, axis=1)
       return (i < max_steps) & jnp.any(current == mask_id)
 
@@ -257,8 +288,13 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
 
   reveal_step = jnp.full((batch, gen_length), -1, jnp.int32)
   calls = jnp.zeros((batch,), jnp.int32)
-  init = (jnp.int32(0), (tokens, reveal_step, calls), jnp.int32(0), jnp.bool_(False))
-  _, (tokens, reveal_step, calls), passes, _ = jax.lax.while_loop(keep_going, run_block, init)
+  kv = None
+  if cache != "none":  # Filled at each block's first step.
+    shapes = jax.eval_shape(lambda t: model.encode_kv(model_inputs(t), attention_mask,
+                                                      span=(prompt_len, block_length))[1], tokens)
+    kv = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  init = (jnp.int32(0), (tokens, reveal_step, calls, kv), jnp.int32(0), jnp.bool_(False))
+  _, (tokens, reveal_step, calls, _), passes, _ = jax.lax.while_loop(keep_going, run_block, init)
   if stop_at_eos:
     completion = _fill_after_eos(tokens[:, prompt_len:], eos_id)
     tokens = tokens.at[:, prompt_len:].set(completion)
@@ -281,13 +317,15 @@ def check_prompts(prompt_tokens: Array, prompt_mask: Array | None) -> tuple[Arra
 
 def check_settings(*, gen_length: int, steps: int, block_length: int, temperature: float = 0.0,
                    remasking: str = "low_confidence", threshold: float = 0.9,
-                   cfg_scale: float = 0.0) -> None:
+                   cfg_scale: float = 0.0, cache: str = "none") -> None:
   """Raises ValueError unless `generate` accepts these options (cheap: nothing is compiled).
 
   Threshold decoding does not use `steps`.
   """
   if remasking not in REMASKING:
     raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+  if cache not in CACHES:
+    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
   dynamic = remasking == "threshold"
   if gen_length <= 0 or block_length <= 0 or (steps <= 0 and not dynamic):
     raise ValueError("gen_length, block_length and steps must be positive")
@@ -307,7 +345,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
              block_length: int, temperature: float = 0.0, remasking: str = "low_confidence",
              threshold: float = 0.9, cfg_scale: float = 0.0, prompt_mask: Array | None = None,
              stop_at_eos: bool = False, return_reveal_step: bool = False,
-             return_stats: bool = False) -> Array | tuple[Array, ...]:
+             return_stats: bool = False, cache: str = "none") -> Array | tuple[Array, ...]:
   """Sample completions of `prompt_tokens` by low-confidence remasking (docs/models.md, "Sampling").
 
   Args:
@@ -336,6 +374,13 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
       without stopping (those positions are already final when a block ends).
     return_reveal_step: also return the global step at which each completion position was revealed
       (block * steps_per_block + step in block; threshold decoding: block * block_length + step).
+    cache: "none" (exact), or block-wise KV caching (Fast-dLLM; approximate, since attention is
+      bidirectional): each block's first step runs the whole sequence and keeps every layer's
+      keys and values; the block's later steps reuse them. "dual": only the block's positions
+      run, the prefix and the suffix seen through the cache. "prefix": the completion from the
+      block on runs (its suffix of masks fresh at every step), the prompt and the decoded blocks
+      through the cache. With one step per block both equal the exact sampler. The model needs
+      ``encode_kv`` and ``encode_cached`` (LLaDA has them).
     return_stats: also return a dict with `model_calls` [B] int32, the model calls each sequence
       needed (every step of every decoded block with a fixed schedule; with threshold decoding the
       steps at which it still had masked tokens in the current block), and `forward_passes` [],
@@ -350,7 +395,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
   prompt_tokens, prompt_mask = check_prompts(prompt_tokens, prompt_mask)
   check_settings(gen_length=gen_length, steps=steps, block_length=block_length,
                  temperature=temperature, remasking=remasking, threshold=threshold,
-                 cfg_scale=cfg_scale)
+                 cfg_scale=cfg_scale, cache=cache)
   dynamic = remasking == "threshold"
   graphdef, state = nnx.split(model)
   tokens, reveal_step, stats = _generate(
@@ -358,7 +403,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
       gen_length=gen_length, steps=0 if dynamic else steps, block_length=block_length,
       temperature=float(temperature), remasking=remasking,
       threshold=float(threshold) if dynamic else 0.0, cfg_scale=float(cfg_scale),
-      stop_at_eos=bool(stop_at_eos))
+      stop_at_eos=bool(stop_at_eos), cache=cache)
   out = (tokens,) + ((reveal_step,) if return_reveal_step else ()) + (
       (stats,) if return_stats else ())
   return out if len(out) > 1 else tokens

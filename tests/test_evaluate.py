@@ -472,3 +472,20 @@ def test_cli_reports_bad_input(tmp_path, argv, message):
       cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
   assert completed.returncode == 1 and message in completed.stderr, completed.stderr[-2000:]
   assert not (tmp_path / "out").exists()
+
+
+def test_a_kv_cached_evaluation_records_its_cache(tmp_path, hf_checkpoint, data_dir):
+  """--cache dual: decoded by the cached sampler, the setting in each file's metadata (so a
+  resumed run of other settings does not take the shards for its own); with one step per block
+  (steps = blocks) it is the exact sampler's decode."""
+  exact = evaluate.run(options(hf_checkpoint, tmp_path / "exact", steps=1, data_dir=str(data_dir)))
+  cached = evaluate.run(options(hf_checkpoint, tmp_path / "dual", steps=1, cache="dual",
+                                data_dir=str(data_dir)))
+  assert {k: v.accuracy for k, v in cached.items()} == {k: v.accuracy for k, v in exact.items()}
+  for path in (tmp_path / "dual").glob("*_generations.json"):
+    assert json.loads(path.read_text())["settings"]["cache"] == "dual"
+  for path in (tmp_path / "exact").glob("*_generations.json"):
+    assert "cache" not in json.loads(path.read_text())["settings"]
+    twin = tmp_path / "dual" / path.name
+    assert json.loads(path.read_text())["generations"] == json.loads(twin.read_text())[
+        "generations"]

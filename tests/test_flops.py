@@ -77,3 +77,20 @@ def test_per_token_count_is_two_per_matmul_parameter_plus_attention(model):
   embedding = config.embedding_size * config.d_model
   norms = (2 * config.n_layers + 1) * config.d_model
   assert flops.matmul_params(config) == models.count_params(config) - embedding - norms
+
+
+@pytest.mark.parametrize("queries", [8, 24])  # dual: the block; prefix: the completion onward
+def test_kv_cached_count_matches_xla(model, queries):
+  graphdef, state = nnx.split(model)
+  tokens = jnp.zeros((3, 40), jnp.int32)
+  cache = jax.eval_shape(lambda s: nnx.merge(graphdef, s).encode_kv(tokens)[1], state)
+  cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
+
+  def cached(s, t, kv):
+    m = nnx.merge(graphdef, s)
+    hidden = m.encode_cached(t[:, 16:16 + queries], 16, kv)
+    return m.unembed(hidden[:, :8])
+
+  got = xla_flops(cached, state, tokens, cache)
+  want = flops.cached_forward_flops(model.config, 3, 40, queries=queries, logit_positions=8)
+  assert want <= got <= (1 + TOLERANCE) * want

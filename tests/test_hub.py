@@ -119,3 +119,26 @@ def test_the_paper_configs_name_the_released_models_by_hub_id():
   bad.model.download = "sometimes"
   with pytest.raises(ValueError, match=r"config\.model\.download"):
     specs.validate(bad)
+
+
+def test_process_0_fetches_and_the_others_read_the_shared_cache(monkeypatch):
+  """download='process_0' with several processes: process 0 fetches, every process waits at one
+  barrier, the others then read the cache only; 'each_host' fetches everywhere."""
+  import huggingface_hub  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  calls, barriers = [], []
+  monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                      lambda **kw: calls.append(kw["local_files_only"]) or "/cache/snapshot")
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  for index, local_only in ((0, [False]), (1, [True])):
+    calls.clear()
+    barriers.clear()
+    monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+    assert hub.local_path(REPO_ID, download="process_0") == "/cache/snapshot"
+    assert calls == local_only and barriers == [f"hub download {REPO_ID}"]
+  calls.clear()
+  barriers.clear()
+  assert hub.local_path(REPO_ID, download="each_host") == "/cache/snapshot"
+  assert calls == [False] and barriers == []

@@ -12,6 +12,7 @@ from stabledrl_jax import tasks
 from stabledrl_jax.rewards import arithmetic
 from stabledrl_jax.tasks import countdown
 from stabledrl_jax.tasks import sudoku
+from stabledrl_jax.training import config_lib, data
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(),
@@ -404,3 +405,35 @@ def test_iterator_refuses_a_state_from_another_setup():
     tasks.DataIterator(list(range(12)), batch_size=2, seed=0).restore(state)
   with pytest.raises(ValueError):
     tasks.DataIterator([], batch_size=2)
+
+
+def _hub_dataset_repo(root, config, files):
+  """A local directory laid out as a Hub dataset repository: README.md declaring the
+  configuration's splits (as openai/gsm8k's does) and one parquet shard per split."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  (root / config).mkdir(parents=True)
+  lines = ["---", "configs:", f"- config_name: {config}", "  data_files:"]
+  for split, rows in files.items():
+    pq.write_table(pa.Table.from_pylist(rows), root / config / f"{split}-00000-of-00001.parquet")
+    lines += [f"  - split: {split}", f"    path: {config}/{split}-*"]
+  (root / "README.md").write_text("\n".join(lines + ["---", ""]))
+  return root
+
+
+def test_a_local_copy_of_a_hub_dataset_loads_with_the_official_split_and_config(tmp_path):
+  """GSM8K as the official configs name it (openai/gsm8k, config main, train / test), from a
+  directory in the Hub layout: offline, through `datasets`, as the trainer reads it."""
+  rows = lambda split, n: [{"question": f"{split} question {i}?",
+                            "answer": f"Some steps.\n#### {1000 + i}"} for i in range(n)]
+  repo = _hub_dataset_repo(tmp_path / "gsm8k", "main", {"train": rows("train", 5),
+                                                         "test": rows("test", 3)})
+  test = tasks.load_examples("gsm8k", repo, split="test")
+  assert [e.question for e in test] == [f"test question {i}?" for i in range(3)]
+  assert [float(e.ground_truth) for e in test] == [1000, 1001, 1002]  # After "####".
+  assert len(tasks.load_examples("gsm8k", repo, split="train", limit=4)) == 4
+  config = config_lib.llada8b_config("gsm8k", learning_rate=1e-6)
+  config.data.update(train=str(repo), eval=str(repo), train_size=0, eval_size=2)
+  assert [e.question for e in data.make_examples(config, "eval")] == [
+      "test question 0?", "test question 1?"]
+  assert len(data.make_examples(config, "train")) == 5

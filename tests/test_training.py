@@ -20,7 +20,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import estimators, losses, models
+from stabledrl_jax import estimators, losses, models, sampling
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss
@@ -738,3 +738,21 @@ def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed
                                                     jax.tree.leaves(params)))
   total = sum(p.size for p in jax.tree.leaves(params))
   assert min_changed <= changed / total <= max_changed, changed / total
+
+
+def test_cached_rollouts_train_and_evaluation_stays_exact(tmp_path, monkeypatch):
+  """rollout.cache=dual: the rollouts use the KV-cached sampler, the periodic evaluation the
+  exact one; SDAR, whose sampler caches exactly already, takes only 'none'."""
+  seen = []
+  real = sampling.generate
+  monkeypatch.setattr(sampling, "generate", lambda *a, **kw: seen.append(kw["cache"]) or real(
+      *a, **kw))
+  config = tiny_config(**{"sft.num_steps": 0, "train.num_steps": 1, "train.num_iterations": 1,
+                          "eval.every_steps": 1, "rollout.cache": "dual"})
+  history = trainer.train(config, str(tmp_path))
+  assert np.isfinite(history[0]["loss"]) and "eval/accuracy" in history[0]
+  assert "dual" in seen and "none" in seen
+  with pytest.raises(ValueError, match=r"config\.rollout\.cache: 'dual' is not one of \('none',\)"):
+    specs.validate(sweep.with_overrides(config, {"model.family": "sdar"}))
+  with pytest.raises(ValueError, match=r"config\.rollout\.cache: 'full'"):
+    specs.validate(sweep.with_overrides(config, {"rollout.cache": "full"}))

@@ -62,9 +62,10 @@ class Family:
     likelihood_fn: (model, attention_mask [B, L]) -> the model as ``likelihood.estimate``
       takes it.
     generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, gen_length, steps,
-      block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos)
+      block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos, cache)
       -> (tokens [B, P + G], model calls [B] int32).
     remasking: the ``rollout.remasking`` values its sampler takes.
+    caches: the ``rollout.cache`` values its sampler takes.
     check_rollout: (config.rollout, model config) -> None; raises ValueError naming the
       ``config.rollout`` field whose layout the model cannot decode.
     block_size: config -> its fixed block size (prompts are padded to whole blocks), or None.
@@ -86,6 +87,7 @@ class Family:
   generate: Callable[..., tuple[Array, Array]]
   remasking: tuple[str, ...]
   check_rollout: Callable[[Any, Any], None]
+  caches: tuple[str, ...] = ("none",)
   block_size: Callable[[Any], int | None] = lambda config: None
   stop_ids: Callable[[Any], tuple[int, ...]] = lambda config: (config.eos_token_id,)
   aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -168,7 +170,7 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
 def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
              gen_length: int, steps: int, block_length: int, temperature: float,
              remasking: str, threshold: float, cfg_scale: float = 0.0,
-             stop_at_eos: bool = False) -> tuple[Array, Array]:
+             stop_at_eos: bool = False, cache: str = "none") -> tuple[Array, Array]:
   """Completions of left-padded prompts [B, P] by the model's own sampler.
 
   ``steps`` denoising steps over a completion of ``gen_length`` tokens (at most, for threshold
@@ -180,7 +182,7 @@ def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *
   return of(model).generate(
       model, prompt_tokens, prompt_mask, key, gen_length=gen_length, steps=steps,
       block_length=block_length, temperature=temperature, remasking=remasking,
-      threshold=threshold, cfg_scale=cfg_scale, stop_at_eos=stop_at_eos)
+      threshold=threshold, cfg_scale=cfg_scale, stop_at_eos=stop_at_eos, cache=cache)
 
 
 def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -177,24 +177,63 @@ class Attention(nnx.Module):
     self.attn_out = Linear(q_width, d_model, axes=(AX_HEADS, AX_EMBED), std=out_std, **kw)
     self.dtype = dtype
 
+  def _queries(self, xq: Array, cos_q: Array, sin_q: Array) -> Array:
+    b, length = xq.shape[:2]
+    q = apply_rotary(self.q_proj(xq).reshape(b, length, self.n_heads, self.head_dim), cos_q, sin_q)
+    return q.reshape(b, length, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+
+  def _keys_values(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+    """Rotated keys and values of x [B, n, D]: [B, n, K, hd] each."""
+    b, length = x.shape[:2]
+    k = self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
+    return apply_rotary(k, cos, sin), v
+
   def __call__(self, x: Array, cos: Array, sin: Array, key_mask: Array | None,
-               span: tuple[Array | int, int] | None = None) -> Array:
+               span: tuple[Array | int, int] | None = None, *,
+               return_kv: bool = False) -> Array | tuple[Array, tuple[Array, Array]]:
     """x: [B, L, D]; cos, sin: [L, hd]; key_mask: [B, L] bool or None -> [B, L, D].
 
     With span = (start, n), only the queries at positions start..start+n-1 are computed (keys and
-    values still cover every position) and the output is [B, n, D].
+    values still cover every position) and the output is [B, n, D]. ``return_kv``: also the
+    rotated keys and values of every position, [B, L, K, hd] each (a KV cache, ``cached``).
     """
     b = x.shape[0]
-    groups = self.n_heads // self.n_kv_heads
     xq, cos_q, sin_q = query_span(x, cos, sin, span)
     length = xq.shape[1]
-    q = apply_rotary(self.q_proj(xq).reshape(b, length, self.n_heads, self.head_dim), cos_q, sin_q)
-    q = q.reshape(b, length, self.n_kv_heads, groups, self.head_dim)
-    k = self.k_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, x.shape[1], self.n_kv_heads, self.head_dim)
-    k = apply_rotary(k, cos, sin)
+    k, v = self._keys_values(x, cos, sin)
     mask = None if key_mask is None else key_mask[:, None, :]
-    out = dot_product_attention(q, k, v, mask, dtype=self.dtype)
+    out = dot_product_attention(self._queries(xq, cos_q, sin_q), k, v, mask, dtype=self.dtype)
+    out = self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))
+    return (out, (k, v)) if return_kv else out
+
+  def cached(self, xq: Array, cos_q: Array, sin_q: Array, key_mask: Array | None,
+             cache: tuple[Array, Array], start: Array | int, fresh_from: Array | int) -> Array:
+    """Attention of the n positions start..start+n-1 over a KV cache of all L positions.
+
+    Args:
+      xq: [B, n, D], the inputs at those positions; cos_q, sin_q: [n, hd], their angles.
+      key_mask: [B, L] bool or None.
+      cache: keys and values [B, L, K, hd] of every position (``return_kv``).
+      start: the first query position (int or traced).
+      fresh_from: positions >= fresh_from among the queries' attend to (and are attended with)
+        keys and values computed now from xq; every other position keeps the cache's.
+
+    Returns:
+      [B, n, D].
+    """
+    b, length = xq.shape[:2]
+    k_new, v_new = self._keys_values(xq, cos_q, sin_q)
+    fresh = (start + jnp.arange(length) >= fresh_from)[None, :, None, None]
+
+    def merged(cached: Array, new: Array) -> Array:
+      old = jax.lax.dynamic_slice_in_dim(cached, start, length, axis=1)
+      return jax.lax.dynamic_update_slice_in_dim(
+          cached, jnp.where(fresh, new.astype(cached.dtype), old), start, axis=1)
+
+    k, v = merged(cache[0], k_new), merged(cache[1], v_new)
+    mask = None if key_mask is None else key_mask[:, None, :]
+    out = dot_product_attention(self._queries(xq, cos_q, sin_q), k, v, mask, dtype=self.dtype)
     return self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))
 
 

@@ -14,6 +14,7 @@ Host-side only: nothing here imports JAX.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 from stabledrl_jax.tasks import countdown
@@ -70,18 +71,23 @@ def load_examples(
   Args:
     task: a `Task` or its registered name.
     source: a local .jsonl / .json / .csv / .parquet file, or the name of a packaged one
-      (`packaged_files()`); or a Hub dataset path ("openai/gsm8k"); or None for the task's
-      default Hub dataset of `split`.
+      (`packaged_files()`); a Hub dataset path ("openai/gsm8k"); a local directory laid out as
+      a Hub dataset repository (read like the task's default dataset of `split`: its
+      configuration, split and record filter); or None for the task's default Hub dataset of
+      `split`.
     split: 'train' or 'test' for the task's default dataset (its own split name and record
       filter apply); the split of a Hub `source`; ignored for local files.
     limit: keep only the first `limit` examples.
   """
   task = get_task(task) if isinstance(task, str) else task
   local = None if source is None else _local_path(source)
-  if local is not None:
+  if local is not None and not local.is_dir():
     records = read_records(local)
   else:
-    if source is not None:
+    if local is not None:  # A local copy of a Hub dataset repository (offline, no download).
+      default = task.hub_sources.get(split or "test") or HubSource(str(local))
+      hub = dataclasses.replace(default, path=str(local))
+    elif source is not None:
       hub = HubSource(str(source), split=split or "train")
     else:
       hub = task.hub_sources.get(split or "test")

@@ -110,11 +110,12 @@ def make_examples(config: ml_collections.ConfigDict, split: str) -> Sequence[tas
   source = config.data.train if split == "train" else config.data.eval
   size = config.data.train_size if split == "train" else config.data.eval_size
   seed = config.seed + (0 if split == "train" else 1)
+  hub_split = "train" if split == "train" else "test"
   if source == "hub":  # The task's default Hugging Face dataset (needs network).
-    hub_split = "train" if split == "train" else "test"
     return tasks.load_examples(config.task.name, None, split=hub_split, limit=size or None)
   if source != "synthetic":
-    return tasks.load_examples(config.task.name, source, limit=size or None)
+    return tasks.load_examples(config.task.name, source, split=hub_split,
+                               limit=size or None)
   task = tasks.get_task(config.task.name)
   generator_options = dict(config.data.generator)
   if task.name == "sudoku":

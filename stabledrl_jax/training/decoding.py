@@ -46,6 +46,8 @@ class Decoding:
     cfg_scale: classifier-free guidance (LLaDA only; 0: off).
     stop_at_eos: LLaDA: stop once every row has a stop token, and fill after it with EOS (the
       text up to the first stop token is the same either way).
+    cache: block-wise KV caching of LLaDA's sampler ("none": exact, "prefix", "dual";
+      ``sampling.generate``); SDAR's sampler always caches its finished blocks, exactly.
   """
 
   gen_length: int
@@ -56,6 +58,7 @@ class Decoding:
   threshold: float = 0.9
   cfg_scale: float = 0.0
   stop_at_eos: bool = False
+  cache: str = "none"
 
   def __post_init__(self):
     if not self.steps:
@@ -72,7 +75,7 @@ class Decoding:
     """The rollout config's sampler settings (``config.rollout``), at ``temperature``."""
     fields = dict(gen_length=rollout.gen_length, steps=steps, block_length=rollout.block_length,
                   temperature=temperature, remasking=rollout.remasking,
-                  threshold=rollout.threshold)
+                  threshold=rollout.threshold, cache=rollout.get("cache", "none"))
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**fields)
 
@@ -88,6 +91,8 @@ class Decoding:
     del out["stop_at_eos"]
     if "threshold" not in self.remasking and "dynamic" not in self.remasking:
       del out["threshold"]
+    if self.cache == "none":  # As files written before caching existed.
+      del out["cache"]
     return out
 
 

@@ -159,6 +159,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(r.remasking in family.remasking, "rollout.remasking",
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(0 < r.threshold <= 1, "rollout.threshold", f"must lie in (0, 1], got {r.threshold}")
+  _require(r.get("cache", "none") in family.caches, "rollout.cache",
+           f"{r.get('cache')!r} is not one of {family.caches} (model.family={family.name!r})")
   objective_params(config)  # Its own checks, naming the field.
   _validate_estimator(config, family)
   stress = config.estimator.stress

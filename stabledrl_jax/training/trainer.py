@@ -446,13 +446,15 @@ class Trainer:
   def evaluate(self, params, key, **options) -> dict[str, float]:
     """Greedy decoding of the held-out prompts (``decoding.generate_batches``, the path every
     evaluation shares): the task's metric, in percent, the mean reward and the mean model calls
-    per sequence. ``options`` override the rollout's remasking / threshold.
+    per sequence. ``options`` override the rollout's remasking / threshold / cache; the decoding
+    is exact (no KV cache) unless they say otherwise.
 
     Each process decodes and scores its rows of every batch; the totals are summed over the
     processes."""
     prompts = self.eval_prompts
     settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=0.0,
-                                            steps=self.config.eval.steps, **options)
+                                            steps=self.config.eval.steps,
+                                            **{"cache": "none", **options})
     totals = decoding.score_batches(
         self._model(params), self.tokenizer, self.task, prompts.examples, prompts.tokens,
         prompts.mask, key, settings, mesh=self.mesh, batch_size=self.config.eval.batch_size,

@@ -44,13 +44,13 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
 def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
              gen_length: int, steps: int, block_length: int, temperature: float,
              remasking: str, threshold: float, cfg_scale: float,
-             stop_at_eos: bool) -> tuple[Array, Array]:
+             stop_at_eos: bool, cache: str = "none") -> tuple[Array, Array]:
   """``family.Family.generate`` by ``sampling.generate`` over blocks of ``block_length``."""
   tokens, stats = sampling.generate(
       model, prompt_tokens, key=key, gen_length=gen_length, steps=steps,
       block_length=block_length, temperature=temperature, remasking=remasking,
       threshold=threshold, cfg_scale=cfg_scale, prompt_mask=prompt_mask,
-      stop_at_eos=stop_at_eos, return_stats=True)
+      stop_at_eos=stop_at_eos, return_stats=True, cache=cache)
   return tokens, stats["model_calls"]
 
 
@@ -85,7 +85,7 @@ FAMILY = family.register(family.Family(
         param_names=lambda config, hf: checkpoint.param_names(config)),
     tokenizer=tokenizers.HFTokenizer.llada,
     likelihood=estimators.FULL_ATTENTION, likelihood_fn=likelihood_fn, generate=generate,
-    remasking=sampling.REMASKING, check_rollout=check_rollout,
+    remasking=sampling.REMASKING, check_rollout=check_rollout, caches=sampling.CACHES,
     # The official code ends a completion at its first EOS (126081) only.
     stop_ids=lambda config: (config.eos_token_id,),
     aliases=QWEN_NAMES, vocab_fields=("vocab_size", "embedding_size")))

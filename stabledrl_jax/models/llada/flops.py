@@ -35,12 +35,15 @@ TRAIN_MULTIPLIER = 3
 REMAT_MULTIPLIER = 4
 
 
-def _block_flops(config: ModelConfig, keys: int, queries: int) -> int:
-  """Matmul FLOPs of one transformer block for one sequence."""
+def _block_flops(config: ModelConfig, keys: int, queries: int,
+                 projected: int | None = None) -> int:
+  """Matmul FLOPs of one transformer block for one sequence; ``projected``: the positions whose
+  keys and values are computed (default: every key; a KV-cached call: its queries)."""
   d, f = config.d_model, config.mlp_hidden_size
   q_width = config.n_heads * config.head_dim
   kv_width = config.n_kv_heads * config.head_dim
-  projections = 2 * queries * d * q_width * 2 + 2 * keys * d * kv_width * 2
+  projected = keys if projected is None else projected
+  projections = 2 * queries * d * q_width * 2 + 2 * projected * d * kv_width * 2
   attention = 2 * 2 * queries * keys * q_width
   mlp = 3 * 2 * queries * d * f
   return projections + attention + mlp
@@ -68,6 +71,15 @@ def forward_flops(config: ModelConfig, batch: int, length: int, *, span: int | N
   blocks = (config.n_layers - 1) * _block_flops(config, length, length)
   blocks += _block_flops(config, length, queries)
   return batch * (blocks + head_flops(config, logits))
+
+
+def cached_forward_flops(config: ModelConfig, batch: int, length: int, *, queries: int,
+                         logit_positions: int) -> int:
+  """Matmul FLOPs of a KV-cached pass (``LLaDA.encode_cached`` then the head): ``queries``
+  positions run every block, their keys and values are computed and every one of the ``length``
+  positions is a key; ``logit_positions`` are projected to logits."""
+  blocks = config.n_layers * _block_flops(config, length, queries, projected=queries)
+  return batch * (blocks + head_flops(config, logit_positions))
 
 
 def train_flops(config: ModelConfig, batch: int, length: int, *, span: int | None = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax.models import layers
@@ -45,6 +46,22 @@ class Block(nnx.Module):
     """x: [B, L, D] -> [B, L, D], or [B, n, D] for the positions of span = (start, n)."""
     residual = x if span is None else jax.lax.dynamic_slice_in_dim(x, span[0], span[1], axis=1)
     x = residual + self.attn(self.attn_norm(x), cos, sin, key_mask, span)
+    return x + self.mlp(self.ff_norm(x))
+
+  def with_kv(self, x: Array, cos: Array, sin: Array, key_mask: Array | None,
+              span: tuple[Array | int, int] | None = None
+              ) -> tuple[Array, tuple[Array, Array]]:
+    """``__call__`` and the block's keys and values of every position ([B, L, K, hd] each)."""
+    residual = x if span is None else jax.lax.dynamic_slice_in_dim(x, span[0], span[1], axis=1)
+    out, kv = self.attn(self.attn_norm(x), cos, sin, key_mask, span, return_kv=True)
+    x = residual + out
+    return x + self.mlp(self.ff_norm(x)), kv
+
+  def cached(self, xq: Array, cos_q: Array, sin_q: Array, key_mask: Array | None,
+             cache: tuple[Array, Array], start: Array | int, fresh_from: Array | int) -> Array:
+    """The block for the positions start..start+n-1 alone, over a KV cache (``Attention.cached``)."""
+    x = xq + self.attn.cached(self.attn_norm(xq), cos_q, sin_q, key_mask, cache, start,
+                              fresh_from)
     return x + self.mlp(self.ff_norm(x))
 
 
@@ -126,6 +143,58 @@ class LLaDA(nnx.Module):
       if self.config.remat:
         apply_span = nnx.remat(apply_span)
       x = apply_span(last, x, cos, sin, attention_mask, start)
+    return constrain(self.ln_f(x), _HIDDEN_AXES)
+
+  def encode_kv(self, tokens: Array, attention_mask: Array | None = None, *,
+                span: tuple[Array | int, int] | None = None
+                ) -> tuple[Array, tuple[Array, Array]]:
+    """``encode`` and a KV cache: every layer's rotated keys and values of every position,
+    [n_layers, B, L, K, hd] each (for ``encode_cached``; the layers run unrolled)."""
+    if attention_mask is not None:
+      attention_mask = attention_mask.astype(bool)
+    cos, sin = layers.rotary_angles(tokens.shape[1], self.config.head_dim, self.config.rope_theta)
+    x = constrain(self.wte(tokens), _HIDDEN_AXES)
+    keys, values = [], []
+    *body, last = self.blocks
+    for block in body:
+      x, (k, v) = block.with_kv(x, cos, sin, attention_mask)
+      x = constrain(x, _HIDDEN_AXES)
+      keys.append(k)
+      values.append(v)
+    x, (k, v) = last.with_kv(x, cos, sin, attention_mask, span)
+    keys.append(k)
+    values.append(v)
+    return constrain(self.ln_f(x), _HIDDEN_AXES), (jnp.stack(keys), jnp.stack(values))
+
+  def encode_cached(self, tokens: Array, start: Array | int, cache: tuple[Array, Array],
+                    attention_mask: Array | None = None, *,
+                    fresh_from: Array | int | None = None) -> Array:
+    """Hidden states of the positions start..start+n-1 from those positions' tokens alone.
+
+    Every other position is seen through ``cache`` (``encode_kv`` of an earlier sequence): its
+    keys and values are reused, not recomputed. This is block-wise KV caching for a
+    bidirectional model (Fast-dLLM): approximate once the cached positions' context has changed.
+
+    Args:
+      tokens: [B, n] the tokens at positions start..start+n-1 (n static).
+      start: the first position (int or traced).
+      cache: keys and values [n_layers, B, L, K, hd].
+      attention_mask: [B, L] bool, or None.
+      fresh_from: query positions >= fresh_from use their keys and values computed now; those
+        before it keep the cache's (default: start, all fresh).
+
+    Returns:
+      [B, n, D] after ln_f.
+    """
+    if attention_mask is not None:
+      attention_mask = attention_mask.astype(bool)
+    fresh_from = start if fresh_from is None else fresh_from
+    positions = start + jnp.arange(tokens.shape[1])
+    cos, sin = layers.rotary_angles_at(positions, self.config.head_dim, self.config.rope_theta)
+    x = constrain(self.wte(tokens), _HIDDEN_AXES)
+    for i, block in enumerate(self.blocks):
+      x = constrain(block.cached(x, cos, sin, attention_mask, (cache[0][i], cache[1][i]), start,
+                                 fresh_from), _HIDDEN_AXES)
     return constrain(self.ln_f(x), _HIDDEN_AXES)
 
   def unembed(self, hidden: Array) -> Array:

@@ -43,7 +43,7 @@ def likelihood_fn(model: SDAR, attention_mask: Array):
 def generate(model: SDAR, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
              gen_length: int, steps: int, block_length: int, temperature: float,
              remasking: str, threshold: float, cfg_scale: float,
-             stop_at_eos: bool) -> tuple[Array, Array]:
+             stop_at_eos: bool, cache: str = "none") -> tuple[Array, Array]:
   """``family.Family.generate`` by ``block_sampling.generate`` over the model's blocks.
 
   SDAR decodes by its model's blocks (``block_length`` does not apply) and stops finished rows
@@ -51,6 +51,10 @@ def generate(model: SDAR, prompt_tokens: Array, prompt_mask: Array, key: Array, 
   block sampler takes them per block (at most: the dynamic rule and finished rows stop early).
   """
   del block_length, stop_at_eos
+  if cache != "none":
+    raise ValueError(f"cache={cache!r}: SDAR's sampler always keeps the keys and values of its "
+                     "finished blocks (exactly: attention is block-causal); there is no other "
+                     "cache to choose")
   if cfg_scale:
     raise ValueError(f"classifier-free guidance (cfg_scale={cfg_scale}) is LLaDA's; SDAR's "
                      "sampler has none")
