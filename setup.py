@@ -40,7 +40,7 @@ setuptools.setup(
         "math-verify>=0.7",
         "etils[epath]>=1.7",  # workdir paths, local or gs:// (training/checkpointing.py)
         # Checkpoints and tokenizers by Hub id (models/hub.py): cached, honours HF_HUB_OFFLINE.
-        "huggingface_hub>=0.23",
+        "huggingface_hub>=0.24",
     ],
     extras_require={
         # Parquet datasets (tasks.read_records); the Hugging Face Hub loader also needs `datasets`.

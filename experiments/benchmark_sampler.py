@@ -27,7 +27,7 @@ none (exact) / prefix / dual, each with the low_confidence schedule and with thr
 It prints tokens/s, the speed-up over the exact low_confidence sampler, the model calls per
 sequence and the model's matmul FLOPs per generated token (`models.llada.flops`: a block's first
 call is a full pass that refreshes the cache, its later calls run the block (dual) or the
-completion from the block on (prefix)).
+sequence from the block on (prefix)).
 """
 
 from __future__ import annotations
@@ -124,17 +124,30 @@ def run_interleaved(fns, repeats):
 
 
 def call_flops(config, *, batch: int, prompt_length: int, gen_length: int, block_length: int,
-               cache: str, blocks: int, calls: int) -> int:
-  """Matmul FLOPs of a decode: ``blocks`` first calls (full passes, the last layer's queries and
-  the head on the block) and ``calls - blocks`` later calls of the ``cache`` kind."""
+               cache: str, block_calls: list[int]) -> int:
+  """Matmul FLOPs of a decode whose block b took ``block_calls[b]`` batched calls: each block's
+  first call a full pass (the last layer's queries and the head on the block), its later ones of
+  the ``cache`` kind (dual: the block's positions; prefix: the positions from the block on)."""
   length = prompt_length + gen_length
   full = flops_lib.forward_flops(config, batch, length, span=block_length)
-  if cache == "none":
-    return calls * full
-  queries = block_length if cache == "dual" else gen_length
-  cached = flops_lib.cached_forward_flops(config, batch, length, queries=queries,
-                                          logit_positions=block_length)
-  return blocks * full + (calls - blocks) * cached
+  total = 0
+  for b, calls in enumerate(block_calls):
+    if cache == "none":
+      total += calls * full
+      continue
+    queries = block_length if cache == "dual" else length - (prompt_length + b * block_length)
+    cached = flops_lib.cached_forward_flops(config, batch, length, queries=queries,
+                                            logit_positions=block_length)
+    total += full + (calls - 1) * cached
+  return total
+
+
+def block_calls(reveal_step: np.ndarray, *, block_length: int, steps_per_block: int) -> list[int]:
+  """The batched calls each block took: its last reveal step (over the batch) + 1; global steps
+  are block * steps_per_block + step."""
+  blocks = reveal_step.shape[1] // block_length
+  return [int(reveal_step[:, b * block_length:(b + 1) * block_length].max())
+          - b * steps_per_block + 1 for b in range(blocks)]
 
 
 def cache_table(model, prompt, key, args) -> None:
@@ -145,7 +158,8 @@ def cache_table(model, prompt, key, args) -> None:
   settings = [(cache, remasking) for remasking in ("low_confidence", "threshold")
               for cache in CACHES]
   fns = [lambda c=c, r=r: generate(model, prompt, key=key, remasking=r,
-                                   threshold=args.threshold, cache=c, return_stats=True, **shape)
+                                   threshold=args.threshold, cache=c, return_reveal_step=True,
+                                   return_stats=True, **shape)
          for c, r in settings]
   timings = profiling.time_interleaved(dict(enumerate(fns)), args.repeats)
   tokens = args.batch * args.gen_length
@@ -156,11 +170,14 @@ def cache_table(model, prompt, key, args) -> None:
         f"| {'calls/seq':>9} | {'GFLOP/token':>11} |")
   print(f"|{'-' * 8}|{'-' * 16}|{'-' * 8}:|{'-' * 10}:|{'-' * 9}:|{'-' * 10}:|{'-' * 12}:|")
   for i, (cache, remasking) in enumerate(settings):
-    _, stats = timings.outputs[i]
-    passes = int(stats["forward_passes"])
+    _, reveal_step, stats = timings.outputs[i]
+    per_block = block_calls(np.asarray(reveal_step), block_length=args.block_length,
+                            steps_per_block=(args.block_length if remasking == "threshold"
+                                             else args.steps // blocks))
+    assert sum(per_block) == int(stats["forward_passes"]), (per_block, stats)
     flops = call_flops(config, batch=args.batch, prompt_length=args.prompt_length,
                        gen_length=args.gen_length, block_length=args.block_length, cache=cache,
-                       blocks=blocks, calls=passes)
+                       block_calls=per_block)
     best = timings.best[i]
     print(f"| {cache:<6} | {remasking:<14} | {best:7.2f} | {tokens / best:9.1f} | "
           f"{base / best:7.2f}x | {float(np.mean(stats['model_calls'])):9.1f} | "

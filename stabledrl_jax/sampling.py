@@ -20,6 +20,14 @@ and the most confident one in any case, until the block has no mask left. The nu
 calls then follows the model's confidence (one per block when it is sure of every token, one per
 token when it is sure of none); `return_stats=True` reports it per sequence.
 
+Block-wise KV caching (`cache`, Fast-dLLM's prefix and dual caches) trades exactness for
+speed: a block's first call is the full pass and also returns every layer's keys and values of
+every position; its later calls reuse them. "dual" runs only the block's positions (the prompt,
+the decoded blocks and the masked suffix through the cache); "prefix" runs the positions from the
+block to the end (the prompt and the decoded blocks through the cache). Attention is
+bidirectional, so within a block the cached context is stale: the result is approximate, exact
+with one step per block.
+
 Only the current block can be revealed, so only its logits are computed: `model.encode(...,
 span=(block start, block_length))` runs the last transformer block for the block's queries only,
 and `model.unembed` projects those hidden states alone. The result equals slicing full logits;
@@ -189,9 +197,9 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     Exact (cache "none"): a pass over the whole sequence, the last layer for the block's
     queries only. Cached: the block's first step is that pass, which also refreshes every
     layer's keys and values of every position; later steps run only the block (dual: the
-    prefix's and the suffix's keys and values from the cache) or the completion from the block on
-    (prefix: the decoded blocks' and the prompt's from the cache; queries of the completion's
-    decoded blocks are computed and dropped so that the shapes stay static).
+    prefix's and the suffix's keys and values from the cache) or the sequence from the block on
+    (prefix: the decoded blocks' and the prompt's keys and values from the cache; one branch per
+    block, each of static length).
     """
     if cache == "none":
       return model.encode(inputs, attention_mask, span=(start, block_length)), kv
@@ -200,15 +208,26 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
       del kv
       return model.encode_kv(inputs, attention_mask, span=(start, block_length))
 
-    def reuse(kv):
-      if cache == "dual":
-        block = jax.lax.dynamic_slice_in_dim(inputs, start, block_length, axis=1)
-        return model.encode_cached(block, start, kv, attention_mask), kv
-      hidden = model.encode_cached(inputs[:, prompt_len:], prompt_len, kv, attention_mask,
-                                   fresh_from=start)
-      return jax.lax.dynamic_slice_in_dim(hidden, start - prompt_len, block_length, axis=1), kv
+    def reuse_dual(kv):
+      block = jax.lax.dynamic_slice_in_dim(inputs, start, block_length, axis=1)
+      return model.encode_cached(block, start, kv, attention_mask), kv
 
-    return jax.lax.cond(first, refresh, reuse, kv)
+    def reuse_from(b):
+      """Prefix cache in block b: positions from the block to the end run (a static length
+      per block, hence one branch per block)."""
+      begin = prompt_len + b * block_length
+
+      def run(kv):
+        hidden = model.encode_cached(inputs[:, begin:], begin, kv, attention_mask)
+        return hidden[:, :block_length], kv
+
+      return run
+
+    def reuse_prefix(kv):
+      branches = [reuse_from(b) for b in range(num_blocks)]
+      return jax.lax.switch((start - prompt_len) // block_length, branches, kv)
+
+    return jax.lax.cond(first, refresh, reuse_dual if cache == "dual" else reuse_prefix, kv)
 
   def block_logits(tokens: Array, start: Array, first: Array, kv: Any) -> tuple[Array, Any]:
     """[B, block_length, V] float32 logits of the block starting at `start`, and the cache."""
@@ -377,7 +396,7 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
     cache: "none" (exact), or block-wise KV caching (Fast-dLLM; approximate, since attention is
       bidirectional): each block's first step runs the whole sequence and keeps every layer's
       keys and values; the block's later steps reuse them. "dual": only the block's positions
-      run, the prefix and the suffix seen through the cache. "prefix": the completion from the
+      run, the prefix and the suffix seen through the cache. "prefix": the sequence from the
       block on runs (its suffix of masks fresh at every step), the prompt and the decoded blocks
       through the cache. With one step per block both equal the exact sampler. The model needs
       ``encode_kv`` and ``encode_cached`` (LLaDA has them).

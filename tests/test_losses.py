@@ -15,7 +15,7 @@ from absl.testing import parameterized
 from stabledrl_jax import losses
 
 # ---------------------------------------------------------------------------
-# Independent float64 references (written from the SPEC formulas, not the code).
+# Independent float64 references (written from the formulas of docs/algorithms.md, not the code).
 # ---------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -26,6 +27,31 @@ Array = jax.Array
 # Logical axis names (see sharding.py).
 AX_VOCAB, AX_EMBED, AX_MLP, AX_HEADS, AX_KV_HEADS, AX_NORM = (
     "vocab", "embed", "mlp", "heads", "kv_heads", "norm")
+
+
+def check_config(config: Any, *, integers: tuple[str, ...], head_dim: Any, token_limit: str
+                 ) -> None:
+  """The checks every model config shares (in its ``__post_init__``); ValueError naming the
+  config class and field: ``integers`` positive integers, then an even head_dim
+  (``head_dim(config)``, for rotary embeddings), the mask and EOS ids in [0, the
+  ``token_limit`` field), positive rope_theta and rms_norm_eps; the dtype fields are converted to
+  floating dtypes."""
+  cls = type(config).__name__
+  for name in integers:
+    value = getattr(config, name)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+      raise ValueError(f"{cls}.{name} must be a positive integer, got {value!r}")
+  if head_dim(config) % 2:
+    raise ValueError(f"{cls}.head_dim ({head_dim(config)}) must be even for rotary embeddings")
+  for name in ("mask_token_id", "eos_token_id"):
+    value = getattr(config, name)
+    if not 0 <= value < getattr(config, token_limit):
+      raise ValueError(f"{cls}.{name} ({value}) must lie in [0, {token_limit})")
+  for name in ("rope_theta", "rms_norm_eps"):
+    if not getattr(config, name) > 0:
+      raise ValueError(f"{cls}.{name} must be > 0, got {getattr(config, name)}")
+  for name in ("param_dtype", "dtype", "logits_dtype"):
+    object.__setattr__(config, name, float_dtype(getattr(config, name), f"{cls}.{name}"))
 
 
 def float_dtype(value: Any, field: str):
@@ -201,9 +227,12 @@ class Attention(nnx.Module):
     b = x.shape[0]
     xq, cos_q, sin_q = query_span(x, cos, sin, span)
     length = xq.shape[1]
+    # Queries first: the order the ops had before the KV cache existed, which XLA's CPU fusion
+    # follows; another order reassociates float sums and moves every trained result slightly.
+    q = self._queries(xq, cos_q, sin_q)
     k, v = self._keys_values(x, cos, sin)
     mask = None if key_mask is None else key_mask[:, None, :]
-    out = dot_product_attention(self._queries(xq, cos_q, sin_q), k, v, mask, dtype=self.dtype)
+    out = dot_product_attention(q, k, v, mask, dtype=self.dtype)
     out = self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))
     return (out, (k, v)) if return_kv else out
 

@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from stabledrl_jax.models import layers
 
@@ -64,36 +63,23 @@ class ModelConfig:
   scan_layers: bool = False
 
   def __post_init__(self):
-    for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size",
-                 "max_sequence_length"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
     if self.embedding_size is None:
       object.__setattr__(self, "embedding_size", self.vocab_size)
+
+    def head_dim(config):
+      for name, divisor in (("d_model", "n_heads"), ("n_heads", "n_kv_heads")):
+        if getattr(config, name) % getattr(config, divisor):
+          raise ValueError(f"ModelConfig.{name} ({getattr(config, name)}) must be divisible by "
+                           f"{divisor} ({getattr(config, divisor)})")
+      return config.head_dim
+
+    layers.check_config(self, integers=("d_model", "n_heads", "n_kv_heads", "n_layers",
+                                        "mlp_hidden_size", "vocab_size", "embedding_size",
+                                        "max_sequence_length"),
+                        head_dim=head_dim, token_limit="embedding_size")
     if self.embedding_size < self.vocab_size:
       raise ValueError(f"ModelConfig.embedding_size ({self.embedding_size}) must be >= "
                        f"vocab_size ({self.vocab_size})")
-    if self.d_model % self.n_heads:
-      raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
-                       f"n_heads ({self.n_heads})")
-    if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be divisible by "
-                       f"n_kv_heads ({self.n_kv_heads})")
-    if self.head_dim % 2:
-      raise ValueError(f"ModelConfig.d_model // n_heads (head_dim {self.head_dim}) must be even "
-                       "for rotary embeddings")
-    for name in ("mask_token_id", "eos_token_id"):
-      value = getattr(self, name)
-      if not 0 <= value < self.embedding_size:
-        raise ValueError(f"ModelConfig.{name} ({value}) must lie in [0, embedding_size)")
-    if not self.rope_theta > 0:
-      raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
-    if not self.rms_norm_eps > 0:
-      raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-    for name in ("param_dtype", "dtype", "logits_dtype"):
-      object.__setattr__(self, name,
-                         layers.float_dtype(getattr(self, name), f"ModelConfig.{name}"))
 
   @property
   def head_dim(self) -> int:

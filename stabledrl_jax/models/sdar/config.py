@@ -19,9 +19,15 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from stabledrl_jax.models import layers
+
+
+def _head_dim(config: "SDARConfig") -> int:
+  if config.num_attention_heads % config.num_key_value_heads:
+    raise ValueError(f"SDARConfig.num_attention_heads ({config.num_attention_heads}) must be "
+                     f"divisible by num_key_value_heads ({config.num_key_value_heads})")
+  return config.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,34 +77,16 @@ class SDARConfig:
   scan_layers: bool = False
 
   def __post_init__(self):
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "intermediate_size", "vocab_size", "block_size",
-                 "max_position_embeddings"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"SDARConfig.{name} must be a positive integer, got {value!r}")
-    if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"SDARConfig.num_attention_heads ({self.num_attention_heads}) must be "
-                       f"divisible by num_key_value_heads ({self.num_key_value_heads})")
-    if self.head_dim % 2:
-      raise ValueError(f"SDARConfig.head_dim ({self.head_dim}) must be even for rotary "
-                       "embeddings")
-    for name in ("mask_token_id", "eos_token_id"):
-      value = getattr(self, name)
-      if not 0 <= value < self.vocab_size:
-        raise ValueError(f"SDARConfig.{name} ({value}) must lie in [0, vocab_size)")
+    layers.check_config(self, integers=("hidden_size", "num_hidden_layers",
+                                        "num_attention_heads", "num_key_value_heads", "head_dim",
+                                        "intermediate_size", "vocab_size", "block_size",
+                                        "max_position_embeddings"),
+                        head_dim=_head_dim, token_limit="vocab_size")
     stops = tuple(int(t) for t in self.stop_token_ids) or (int(self.eos_token_id),)
     if stops[0] != self.eos_token_id or not all(0 <= t < self.vocab_size for t in stops):
       raise ValueError(f"SDARConfig.stop_token_ids {stops} must start with eos_token_id "
                        f"({self.eos_token_id}) and lie in [0, vocab_size)")
     object.__setattr__(self, "stop_token_ids", stops)
-    if not self.rope_theta > 0:
-      raise ValueError(f"SDARConfig.rope_theta must be > 0, got {self.rope_theta}")
-    if not self.rms_norm_eps > 0:
-      raise ValueError(f"SDARConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-    for name in ("param_dtype", "dtype", "logits_dtype"):
-      object.__setattr__(self, name,
-                         layers.float_dtype(getattr(self, name), f"SDARConfig.{name}"))
 
   @property
   def embedding_size(self) -> int:
