@@ -497,10 +497,12 @@ class Trainer:
     # Completions that hit the length limit: no stop token anywhere in them.
     truncated = ~np.isin(tokens[:, r.prompt_length:],
                          np.asarray(models.family.stop_ids(self.model_config))).any(-1)
-    num_logged = config.logging.num_samples
+    # Sample rollouts for the writer (process 0), decoded only on the steps that log them.
+    every_samples, num_logged = config.logging.samples_every_steps, config.logging.num_samples
+    due = self.primary and every_samples and (step + 1) % every_samples == 0
     self.samples = [dict(prompt=p, completion=c, reward=float(w)) for p, c, w in zip(
         data.decode_completions(self.tokenizer, prompt_tokens[:num_logged]),
-        texts[:num_logged], rewards[:num_logged])] if self.primary else []
+        texts[:num_logged], rewards[:num_logged])] if due else []
     batch = self.make_batch(tokens, prompt_mask, completion, advantages, stressed,
                             num_rows=split.num_rows)
     # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
@@ -597,8 +599,7 @@ class Trainer:
         if every and (done % every == 0 or done == config.train.num_steps):
           metrics.update(self.evaluate(self.state.params, eval_key))
         self._write(done, metrics)
-        if (self.writer is not None and config.logging.samples_every_steps
-            and done % config.logging.samples_every_steps == 0):
+        if self.writer is not None and self.samples:
           self.writer.write_samples(done, self.samples)
         history.append({"step": done, **metrics})
         progress.set_postfix(reward=f"{metrics['rewards/mean']:.3f}",
