@@ -95,11 +95,14 @@ class BlockEstimate:
     value: [B] estimate, one per sequence.
     token_logp: [R, B, L] log p(z_i | z_<j, noised block j) at every position.
     masks: the :class:`BlockMaskSample` used.
+    row_values: [R, B] each row's term of ``value`` (their sum over rows), for
+      ``estimators.monte_carlo_variance``.
   """
 
   value: Array
   token_logp: Array
   masks: BlockMaskSample
+  row_values: Array | None = None
 
 
 def _check_block_size(block_size: int) -> None:
@@ -360,6 +363,17 @@ def combine(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
   return _safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32))
 
 
+def combine_rows(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
+                 normalize: str = "sum") -> Array:
+  """[R, B] each row's term of ``combine`` (their sum over rows)."""
+  if normalize not in NORMALIZATIONS:
+    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
+  total = jnp.sum(jnp.where(masks.noisy, masks.weight * token_logp, 0.0), axis=2)
+  if normalize == "sum":
+    return total
+  return _safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32)[None])
+
+
 def estimate_from_block_masks(staircase_fn: StaircaseFn, tokens: Array, completion_mask: Array,
                               masks: BlockMaskSample, *, mask_id: int, block_size: int,
                               normalize: str = "sum",
@@ -368,6 +382,9 @@ def estimate_from_block_masks(staircase_fn: StaircaseFn, tokens: Array, completi
   token_logp = staircase_token_logprobs(staircase_fn, tokens, masks.noisy, mask_id=mask_id,
                                         block_size=block_size, attention_mask=attention_mask)
   return BlockEstimate(value=combine(token_logp, masks, completion_mask, normalize),
+                       # From a copy behind a barrier: the value's fusion stays as it is.
+                       row_values=combine_rows(jax.lax.optimization_barrier(token_logp), masks,
+                                               completion_mask, normalize),
                        token_logp=token_logp, masks=masks)
 
 

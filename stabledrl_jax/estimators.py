@@ -96,11 +96,14 @@ class Estimate:
     value: [B] log-likelihood estimate, one per sequence.
     token_logp: [R, B, L] log p(z_i | noised row) at every position.
     masks: the :class:`MaskSample` used.
+    row_values: [R, B] each row's term of ``value`` (``value`` is their sum over rows), for
+      ``monte_carlo_variance``.
   """
 
   value: Array
   token_logp: Array
   masks: MaskSample
+  row_values: Array | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -510,6 +513,11 @@ def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Arr
     masks: the rows' :class:`MaskSample`.
     normalize: 'sum' (log-likelihood) or 'mean' (per-token, length-normalized).
   """
+  return jnp.sum(combine_rows(token_logp, masks, normalize), axis=0)
+
+
+def combine_rows(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Array:
+  """[R, B] each row's term of ``combine``: its scale times its scored log-probs' sum."""
   if normalize == "sum":
     scale = masks.sum_scale
   elif normalize == "mean":
@@ -517,7 +525,27 @@ def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Arr
   else:
     raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}.")
   per_row = jnp.sum(jnp.where(masks.scored, token_logp, 0.0), axis=-1)
-  return jnp.sum(scale * per_row, axis=0)
+  return scale * per_row
+
+
+def monte_carlo_variance(row_values: Array) -> Array:
+  """[B] the variance of an R-row estimate, estimated from its own rows.
+
+  Row r's term c_r of an estimate ``value = sum_r c_r`` makes ``x_r = R c_r`` a one-row
+  estimate, ``value`` their mean; with the rows taken as independent draws the variance of
+  ``value`` is estimated by ``s^2 / R``, s^2 the unbiased sample variance of the x_r. Coupled
+  rows (ESPO's complementary pairs) are negatively correlated, so for them it is an upper
+  estimate. Needs R >= 2.
+
+  Args:
+    row_values: [R, B] (``Estimate.row_values``).
+  """
+  num_rows = row_values.shape[0]
+  if num_rows < 2:
+    raise ValueError(f"a variance needs at least 2 rows (K Monte Carlo samples), got {num_rows}")
+  row_values = row_values.astype(jnp.float32)
+  mean = jnp.mean(row_values, axis=0)
+  return num_rows / (num_rows - 1) * jnp.sum(jnp.square(row_values - mean), axis=0)
 
 
 def estimate_from_masks(logits_fn: LogitsFn, tokens: Array, masks: MaskSample, *,
@@ -525,8 +553,11 @@ def estimate_from_masks(logits_fn: LogitsFn, tokens: Array, masks: MaskSample, *
                         suffix: int | None = None) -> Estimate:
   """Scores given masks: one forward pass of R * B rows (``suffix``: see ``token_logprobs``)."""
   token_logp = token_logprobs(logits_fn, tokens, masks.noisy, mask_id, suffix)
-  return Estimate(value=combine(token_logp, masks, normalize),
-                  token_logp=token_logp, masks=masks)
+  # The rows' terms from a copy behind a barrier: the value's computation (and its fusion, so
+  # its rounding) stays what it is without them.
+  rows = combine_rows(jax.lax.optimization_barrier(token_logp), masks, normalize)
+  return Estimate(value=combine(token_logp, masks, normalize), token_logp=token_logp,
+                  masks=masks, row_values=rows)
 
 
 def estimate_logp(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,

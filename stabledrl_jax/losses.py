@@ -3,7 +3,9 @@
 Every objective takes arrays (no model, no PRNG, no Python branching on values),
 is jit-able, handles padding through masks, and returns ``(loss, metrics)``
 where ``loss`` is the scalar to *minimize* and ``metrics`` a flat dict of
-scalars with stable names (``log_ratio/max``, ``snis/ess``, ``clip/frac_upper``).
+scalars with stable names (``log_ratio/max``, ``snis/ess``, ``clip/frac_upper``),
+plus optional ``per_sample/<name>`` [N] arrays (the weight each sample's gradient
+gets), which the trainer keeps for the spike recorder instead of averaging.
 
 Notation (docs/algorithms.md): a batch holds P prompts x G completions, N = P * G,
 each group contiguous. ``A`` are advantages, ``l`` likelihood estimates,
@@ -102,7 +104,7 @@ def ratio_metrics(log_ratio: Array, advantages: Array, valid: Array, *,
     log_lo, log_hi: clipping bounds in log space.
 
   Returns:
-    ``log_ratio/{mean,max,min}`` and the fraction of valid entries above
+    ``log_ratio/{mean,max,min,var}`` and the fraction of valid entries above
     (``clip/frac_upper``) and below (``clip/frac_lower``) the bounds, also split
     by the sign of the advantage (``clip/frac_upper_neg_adv``, ...). Ratios
     above the bound with A < 0 are the ones GRPO's conditional clip lets
@@ -114,8 +116,12 @@ def ratio_metrics(log_ratio: Array, advantages: Array, valid: Array, *,
   pos = advantages > 0
   neg = advantages < 0
   frac = lambda m: _masked_mean(m.astype(jnp.float32), valid)
+  finite = valid & jnp.isfinite(log_ratio)
   return {
       "log_ratio/mean": _masked_mean(log_ratio, valid),
+      # Over finite entries: one infinite ratio would make it NaN and say nothing.
+      "log_ratio/var": _masked_mean(
+          jnp.square(log_ratio - _masked_mean(log_ratio, finite)), finite),
       "log_ratio/max": _masked_max(log_ratio, valid),
       "log_ratio/min": _masked_min(log_ratio, valid),
       "clip/frac_upper": frac(above),
@@ -175,13 +181,45 @@ def group_advantages(rewards: Array, group_size: int, *,
 
 
 def clip_log_ratio(log_ratio: Array, *, min_ratio: float = 0.0,
-                   max_ratio: float = 5.0) -> Array:
+                   max_ratio: float = 5.0, log_max_ratio: Array | None = None) -> Array:
   """Unconditional clipping in log space: ``log c(rho) = clip(log rho, log lo, log hi)``.
 
-  ``min_ratio = 0`` leaves the lower side unbounded (never ``log(0)``).
+  ``min_ratio = 0`` leaves the lower side unbounded (never ``log(0)``). ``log_max_ratio``: a
+  traced log hi (the adaptive clip's, ``adapt_log_clip``) in place of ``log(max_ratio)``.
   """
   log_lo, log_hi = _log_bounds(min_ratio, max_ratio)
-  return jnp.clip(log_ratio, log_lo, log_hi)
+  return jnp.clip(log_ratio, log_lo, log_hi if log_max_ratio is None else log_max_ratio)
+
+
+CLIP_MODES = ("fixed", "adaptive")
+
+
+def adapt_log_clip(log_hi: Array, clipped_fraction: Array, *,
+                   band: tuple[float, float] = (0.02, 0.10), step: float = 0.1,
+                   log_range: tuple[float, float] = (0.05, 6.9)) -> Array:
+  """The adaptive clip's controller: the next log hi from this step's clipped fraction.
+
+  Above the band the bound is raised by ``step`` (in log space), below it lowered by ``step``,
+  inside it kept; the result stays in ``log_range`` (default: rho bounds 1.05 to ~1000). A
+  non-finite fraction (a skipped update) keeps the bound. Pure and elementwise: ``log_hi`` and
+  ``clipped_fraction`` are scalars or arrays of one shape.
+
+  Args:
+    log_hi: [] current log of the upper ratio bound.
+    clipped_fraction: [] fraction of the step's ratios the bound clipped (``clip/frac_upper``
+      plus ``clip/frac_lower``).
+    band: (low, high) target range of the clipped fraction.
+    step: the largest change of log hi per call.
+    log_range: (min, max) of log hi.
+
+  Returns:
+    [] float32 next log hi.
+  """
+  log_hi = jnp.asarray(log_hi, jnp.float32)
+  fraction = jnp.asarray(clipped_fraction, jnp.float32)
+  delta = jnp.where(fraction > band[1], step, jnp.where(fraction < band[0], -step, 0.0))
+  delta = jnp.where(jnp.isfinite(fraction), delta, 0.0)
+  return jnp.clip(log_hi + delta, log_range[0], log_range[1])
 
 
 def _group_softmax(logits: Array, valid: Array) -> Array:
@@ -204,7 +242,8 @@ def _group_softmax(logits: Array, valid: Array) -> Array:
 
 
 def snis_weights(log_ratio: Array, group_size: int, *, min_ratio: float = 0.0,
-                 max_ratio: float = 5.0, sample_mask: Array | None = None) -> Array:
+                 max_ratio: float = 5.0, sample_mask: Array | None = None,
+                 log_max_ratio: Array | None = None) -> Array:
   """Self-normalized importance weights of clipped ratios, per group.
 
   ``w_j = c(rho_j) / sum_{k in group} c(rho_k)``, computed as a softmax of the
@@ -217,6 +256,7 @@ def snis_weights(log_ratio: Array, group_size: int, *, min_ratio: float = 0.0,
     min_ratio, max_ratio: clipping bounds on rho (``min_ratio = 0``: no lower
       bound).
     sample_mask: optional [N] bool; masked samples get weight 0.
+    log_max_ratio: optional [] traced log hi (the adaptive clip), in place of max_ratio's.
 
   Returns:
     [N] weights, >= 0, summing to 1 within each group (with at least one valid
@@ -226,7 +266,7 @@ def snis_weights(log_ratio: Array, group_size: int, *, min_ratio: float = 0.0,
   num_groups = _num_groups(log_ratio.shape[0], group_size)
   valid = _as_valid(sample_mask, log_ratio.shape)
   clipped = clip_log_ratio(log_ratio.astype(jnp.float32), min_ratio=min_ratio,
-                           max_ratio=max_ratio)
+                           max_ratio=max_ratio, log_max_ratio=log_max_ratio)
   weights = _group_softmax(clipped.reshape(num_groups, group_size),
                            valid.reshape(num_groups, group_size))
   return jax.lax.stop_gradient(weights.reshape(-1))
@@ -249,7 +289,8 @@ def _snis_metrics(weights: Array, group_size: int, valid: Array) -> Metrics:
 def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
                    group_size: int, *, min_ratio: float = 0.0,
                    max_ratio: float = 5.0, normalize_over: str = "group",
-                   sample_mask: Array | None = None) -> tuple[Array, Metrics]:
+                   sample_mask: Array | None = None,
+                   log_max_ratio: Array | None = None) -> tuple[Array, Metrics]:
   """StableDRL: ``-(1/P) * sum_groups sum_j sg(w_j) * A_j * s_j``.
 
   Args:
@@ -263,10 +304,12 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
     normalize_over: ``"group"`` (default, weights sum to 1 per group) or
       ``"batch"`` (weights sum to 1 over the whole batch).
     sample_mask: optional [N] bool, samples that count.
+    log_max_ratio: optional [] traced log hi (the adaptive clip) in place of
+      ``log(max_ratio)``.
 
   Returns:
     (loss, metrics) with ESS, log-ratio, clip-fraction and weight-entropy
-    diagnostics.
+    diagnostics, and ``per_sample/weight`` [N], the SNIS weights.
   """
   chex.assert_rank([logp, log_ratio, advantages], 1)
   chex.assert_equal_shape([logp, log_ratio, advantages])
@@ -281,16 +324,19 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
         f"normalize_over must be 'group' or 'batch', got {normalize_over!r}.")
   valid = _as_valid(sample_mask, (n,))
   weights = snis_weights(log_ratio, scope, min_ratio=min_ratio,
-                         max_ratio=max_ratio, sample_mask=valid)
+                         max_ratio=max_ratio, sample_mask=valid, log_max_ratio=log_max_ratio)
   advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
   # Group-scope weights sum to 1 per group (total mass P), batch scope to 1.
   total_mass = num_groups if scope == group_size else 1
   loss = -jnp.sum(weights * advantages * logp.astype(jnp.float32)) / total_mass
   log_lo, log_hi = _log_bounds(min_ratio, max_ratio)
+  if log_max_ratio is not None:
+    log_hi = log_max_ratio
   metrics = {
       "loss": loss,
       **ratio_metrics(log_ratio, advantages, valid, log_lo=log_lo, log_hi=log_hi),
       **_snis_metrics(weights, scope, valid),
+      "per_sample/weight": weights,
   }
   return loss, metrics
 
@@ -377,8 +423,15 @@ def grpo_loss(logp: Array, old_logp: Array, advantages: Array, *,
     metrics["kl/mean"] = _masked_mean(kl, valid)
   loss = _masked_mean(per_entry, valid)
   log_lo = math.log(1.0 - epsilon_low) if epsilon_low < 1 else -math.inf
+  # Each entry's gradient is coefficient * A * grad logp: rho where the unclipped branch is
+  # taken, 0 where the clip is; per sample, the mean over its valid entries.
+  coefficient = jax.lax.stop_gradient(jnp.where(clipped < unclipped, 0.0, ratio))
+  if logp.ndim == 2:
+    coefficient = jnp.sum(jnp.where(valid, coefficient, 0.0), axis=1) / jnp.maximum(
+        jnp.sum(valid, axis=1), 1)
   metrics.update({
       "loss": loss,
+      "per_sample/weight": coefficient,
       # Entries where the clipped branch is taken: their gradient is zero.
       "clip/frac_active": _masked_mean((clipped < unclipped).astype(jnp.float32), valid),
       **ratio_metrics(log_ratio, adv, valid, log_lo=log_lo,
@@ -508,6 +561,7 @@ class ObjectiveInputs:
     ref_logp: like ``logp``, under the frozen reference policy (KL terms).
     eubo: [N] EUBO estimate under pi_theta (SPG sandwich), gradient.
     lengths: [N] scored completion tokens per sample.
+    log_clip_hi: [] the adaptive clip's current log hi (``TrainState.log_clip_hi``).
   """
 
   logp: Array
@@ -517,6 +571,7 @@ class ObjectiveInputs:
   ref_logp: Array | None = None
   eubo: Array | None = None
   lengths: Array | None = None
+  log_clip_hi: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -679,8 +734,8 @@ def surrogate_logp(inputs: ObjectiveInputs, surrogate: str, omega: float = 0.5) 
   raise ValueError(f"surrogate must be 'elbo' or 'sandwich', got {surrogate!r}.")
 
 
-_RATIO_METRICS = ("log_ratio/mean", "log_ratio/max", "log_ratio/min", "clip/frac_upper",
-                  "clip/frac_lower")
+_RATIO_METRICS = ("log_ratio/mean", "log_ratio/max", "log_ratio/min", "log_ratio/var",
+                  "clip/frac_upper", "clip/frac_lower")
 
 
 def _choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -792,7 +847,13 @@ def _wd1(inputs: ObjectiveInputs, *, group_size: int) -> tuple[Array, Metrics]:
 @dataclasses.dataclass(frozen=True)
 class StableDRLHparams:
   """StableDRL: log c(rho) = clip(log rho, log min_ratio, log max_ratio), unconditionally, then
-  self-normalized over each group (or the batch); SPG's sandwich surrogate."""
+  self-normalized over each group (or the batch); SPG's sandwich surrogate.
+
+  ``clip_mode='adaptive'`` (ours, not the paper's): ``max_ratio`` is only the starting bound;
+  between RL steps ``adapt_log_clip`` moves log hi by ``clip_step`` to keep the clipped fraction
+  of the ratios in [clip_target_low, clip_target_high]. The bound lives in the train state
+  (``TrainState.log_clip_hi``), so it is checkpointed.
+  """
 
   min_ratio: float = 0.0
   max_ratio: float = 5.0
@@ -800,6 +861,10 @@ class StableDRLHparams:
   surrogate: str = "sandwich"
   omega: float = 0.5
   eubo_beta: float = 1.5
+  clip_mode: str = "fixed"
+  clip_target_low: float = 0.02
+  clip_target_high: float = 0.10
+  clip_step: float = 0.1
 
   def check(self) -> None:
     if not 0 <= self.min_ratio < self.max_ratio:
@@ -807,20 +872,44 @@ class StableDRLHparams:
                        f"{self.max_ratio}")
     _choice("normalize_over", self.normalize_over, ("group", "batch"))
     _choice("surrogate", self.surrogate, ("elbo", "sandwich"))
+    _choice("clip_mode", self.clip_mode, CLIP_MODES)
+    if not 0 <= self.clip_target_low < self.clip_target_high <= 1:
+      raise ValueError(f"clip_target_high: needs 0 <= clip_target_low < clip_target_high <= 1, "
+                       f"got {self.clip_target_low}, {self.clip_target_high}")
+    if not 0 < self.clip_step <= 1:
+      raise ValueError(f"clip_step: needs 0 < clip_step <= 1 (a change of log hi), got "
+                       f"{self.clip_step}")
+
+  def next_log_clip(self, log_hi: Array, clipped_fraction: Array) -> Array:
+    """The bound of the next step (``adapt_log_clip`` with these settings; fixed: unchanged)."""
+    if self.clip_mode == "fixed":
+      return jnp.asarray(log_hi, jnp.float32)
+    return adapt_log_clip(log_hi, clipped_fraction, step=self.clip_step,
+                          band=(self.clip_target_low, self.clip_target_high))
 
 
 # StableDRL: SPG's masks and sandwich; l_old once per rollout on independent masks.
 @register_objective("stabledrl", hparams=StableDRLHparams, requires=("old_logp",),
                     normalize="mean", estimator=_BLOCK_RANDOM, eubo_beta=_sandwich_eubo,
                     surrogate=lambda inputs, p: surrogate_logp(inputs, p.surrogate, p.omega),
+                    variants={"stabledrl": {},
+                              "stabledrl_adaptive": {"clip_mode": "adaptive"}},
                     metrics=_RATIO_METRICS + ("snis/ess", "snis/ess_min",
                                               "snis/weight_entropy", "snis/weight_max"))
 def _stabledrl(inputs: ObjectiveInputs, *, group_size: int,
                min_ratio: float = 0.0, max_ratio: float = 5.0,
                normalize_over: str = "group", surrogate: str = "sandwich",
-               omega: float = 0.5) -> tuple[Array, Metrics]:
+               omega: float = 0.5, clip_mode: str = "fixed") -> tuple[Array, Metrics]:
   log_ratio = inputs.logp - inputs.old_logp
-  return stabledrl_loss(surrogate_logp(inputs, surrogate, omega), log_ratio,
-                        inputs.advantages, group_size, min_ratio=min_ratio,
-                        max_ratio=max_ratio, normalize_over=normalize_over,
-                        sample_mask=inputs.mask)
+  log_max_ratio = None
+  if clip_mode == "adaptive":
+    if inputs.log_clip_hi is None:
+      raise ValueError("clip_mode='adaptive' needs inputs.log_clip_hi (the train state's bound)")
+    log_max_ratio = inputs.log_clip_hi
+  loss, metrics = stabledrl_loss(surrogate_logp(inputs, surrogate, omega), log_ratio,
+                                 inputs.advantages, group_size, min_ratio=min_ratio,
+                                 max_ratio=max_ratio, normalize_over=normalize_over,
+                                 sample_mask=inputs.mask, log_max_ratio=log_max_ratio)
+  if clip_mode == "adaptive":
+    metrics["clip/log_hi"] = log_max_ratio
+  return loss, metrics

@@ -279,14 +279,14 @@ def _toy_model_and_batch(n=8, length=10, seed=1):
 
 @pytest.mark.parametrize("surrogate", ["elbo", "sandwich"])
 def test_gradient_bound_matches_per_sample_gradients(surrogate):
-  """max_j |A_j| ||grad s_j|| from the vmapped rows == a loop over full-batch gradients."""
+  """||grad s_j|| from the vmapped rows == a loop over full-batch gradients."""
   graphdef, params, batch = _toy_model_and_batch()
   spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
                                 token_level=False, mask_id=15, stress_rates=(0.2, 1.0),
                                 eubo_beta=1.5 if surrogate == "sandwich" else None)
   logits_fn_of = lambda p, m: rl_loss.model_logits_fn(nnx.merge(graphdef, p), m)
   key = jax.random.key(5)
-  bound = rl_loss.surrogate_gradient_bound(
+  vmapped = rl_loss.surrogate_gradient_norms(
       logits_fn_of, params, batch, key, spec=spec,
       surrogate=lambda inputs: losses.surrogate_logp(inputs, surrogate, 0.5))
   masks = rl_loss.estimator_masks(batch, key, spec, stress_mode="easy")
@@ -299,8 +299,7 @@ def test_gradient_bound_matches_per_sample_gradients(surrogate):
 
   grad_s = jax.jit(jax.grad(s))  # j traced: one compilation for every row.
   norms = [float(optax.tree.norm(grad_s(params, jnp.int32(j)))) for j in range(len(batch.tokens))]
-  expected = max(abs(float(a)) * g for a, g in zip(batch.advantages, norms))
-  np.testing.assert_allclose(float(bound), expected, rtol=1e-5)
+  np.testing.assert_allclose(vmapped, norms, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 2])

@@ -80,7 +80,7 @@ def is_workdir(path: epath.PathLike) -> bool:
   return (epath.Path(path) / checkpointing.CHECKPOINT_DIR).is_dir()
 
 
-def _training_config(path: epath.PathLike) -> ml_collections.ConfigDict | None:
+def training_config(path: epath.PathLike) -> ml_collections.ConfigDict | None:
   """The training config in ``path`` (a workdir or its config.json), if there is one."""
   path = epath.Path(path)
   if path.is_dir():
@@ -114,7 +114,7 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
     raise FileNotFoundError(f"checkpoint {path} does not exist")
   path = str(checkpointing.resolve_workdir(path))
   if is_workdir(path):
-    config = _training_config(path)
+    config = training_config(path)
     if config is None:
       raise ValueError(f"{path} has checkpoints/ but no training config.json beside it")
     checkpointer = checkpointing.Checkpointer(path, read_only=True)
@@ -134,7 +134,7 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
     if step is not None:
       raise ValueError(f"a step ({step}) selects a checkpoint of a training workdir; {path} is a "
                        "Hugging Face checkpoint directory")
-    return CheckpointSource(HUGGING_FACE, path, config=_training_config(os.path.dirname(path)))
+    return CheckpointSource(HUGGING_FACE, path, config=training_config(os.path.dirname(path)))
   raise ValueError(
       f"{path} is neither a training workdir (it has no checkpoints/ directory) nor a Hugging "
       f"Face checkpoint directory ({hf_io.CONFIG_FILE} with {hf_io.SINGLE_FILE} or "
@@ -157,7 +157,7 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
   if spec == "char":
     return tokenizers.CharTokenizer()
   if spec:
-    config = _training_config(spec)
+    config = training_config(spec)
     if config is not None:
       return data.make_tokenizer(config.tokenizer)
     if os.path.isfile(spec) or os.path.isfile(os.path.join(spec, "tokenizer.json")):

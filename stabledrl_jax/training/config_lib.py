@@ -87,7 +87,8 @@ def base_config() -> ml_collections.ConfigDict:
       advantage_baseline="",
       stabledrl=ml_collections.ConfigDict(dict(
           min_ratio=f(), max_ratio=f(), normalize_over=s(), surrogate=s(), omega=f(),
-          eubo_beta=f())),
+          eubo_beta=f(), clip_mode=s(), clip_target_low=f(), clip_target_high=f(),
+          clip_step=f())),
       grpo=ml_collections.ConfigDict(dict(
           level=s(), epsilon_low=f(), epsilon_high=f(), beta=f(), kl_estimator=s())),
       espo=ml_collections.ConfigDict(dict(epsilon=f(), beta=f())),
@@ -141,6 +142,13 @@ def base_config() -> ml_collections.ConfigDict:
       # Weights & Biases (needs `pip install wandb`): off unless project is set.
       wandb=ml_collections.ConfigDict(dict(project="", entity="", name="")),
   ))
+  # The spike recorder (docs/diagnostics.md): a step whose largest pre-clip gradient norm exceeds
+  # spike_factor x the median of the previous spike_window steps' (known for at least
+  # spike_min_history steps), or that skipped an update as non-finite, leaves its rollouts,
+  # rewards, advantages, per-sample log ratios and weights in <workdir>/spikes/step_<n>.npz
+  # (spike_factor 0: non-finite steps only).
+  c.diagnostics = ml_collections.ConfigDict(dict(spike_factor=10.0, spike_window=20,
+                                                 spike_min_history=5))
   # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since
   # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,

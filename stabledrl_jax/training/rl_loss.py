@@ -162,46 +162,79 @@ def estimate(logits_fn: Callable[..., Array], batch: RolloutBatch, key: Array | 
     logp: [N] per-sequence estimates, or [N, L] per-token log-probs at token level.
     eubo: [N] EUBO_beta estimates, or None.
   """
+  return _logp_and_eubo(_details(logits_fn, batch, key, spec, stress_mode, masks), spec)
+
+
+def _details(logits_fn: Callable[..., Array], batch: RolloutBatch, key: Array | None,
+             spec: LikelihoodSpec, stress_mode: str | None = None, masks: Any = None) -> Any:
   if masks is None:
     masks = estimator_masks(batch, key, spec, stress_mode)
-  details = _likelihood(spec).estimate(logits_fn, batch.tokens, batch.prompt_mask,
-                                       batch.completion_mask, batch.attention_mask, masks, spec)
-  return _logp_and_eubo(details, spec)
+  return _likelihood(spec).estimate(logits_fn, batch.tokens, batch.prompt_mask,
+                                    batch.completion_mask, batch.attention_mask, masks, spec)
+
+
+def _masked_row_mean(x: Array, mask: Array) -> Array:
+  """[N, L] -> [N], the mean over each row's ``mask`` entries (0 for none)."""
+  return jnp.sum(jnp.where(mask, x, 0.0), axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
 
 
 def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array, *,
                    spec: LikelihoodSpec, objective: str, hparams: tuple[tuple[str, Any], ...],
-                   group_size: int, use_reference: bool) -> tuple[Array, dict[str, Array]]:
+                   group_size: int, use_reference: bool,
+                   log_clip_hi: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """The objective's (loss, metrics) on fresh estimates under the current parameters.
 
-  In a stress test the numerator l_theta of the stressed samples uses "easy" masks.
+  In a stress test the numerator l_theta of the stressed samples uses "easy" masks. Besides the
+  objective's own metrics: ``estimator/logp_std_{mean,max}``, the standard deviation of the
+  sequence estimates from their own K samples (``estimators.monte_carlo_variance``; sequence
+  level with K >= 2 only), and for ratio objectives ``per_sample/log_ratio`` [N]
+  (l_theta - l_old; at token level the mean over the completion's tokens).
+
+  Args:
+    log_clip_hi: [] the train state's adaptive clip bound (``TrainState.log_clip_hi``).
   """
-  logp, eubo = estimate(logits_fn, batch, key, spec, stress_mode="easy")
-  inputs = objective_inputs(batch, logp, eubo, spec, use_reference)
-  loss, metrics = losses.get_objective(objective)(inputs, group_size=group_size, **dict(hparams))
-  return loss, {**metrics, "loss": loss}  # Every objective's loss is logged as `loss`.
+  details = _details(logits_fn, batch, key, spec, stress_mode="easy")
+  logp, eubo = _logp_and_eubo(details, spec)
+  inputs = objective_inputs(batch, logp, eubo, spec, use_reference, log_clip_hi)
+  registered = losses.get_objective(objective)
+  loss, metrics = registered(inputs, group_size=group_size, **dict(hparams))
+  metrics = {**metrics, "loss": loss}  # Every objective's loss is logged as `loss`.
+  scored = jnp.any(batch.completion_mask, axis=-1)
+  if not spec.token_level and details.row_values is not None and details.masks.num_rows >= 2:
+    std = jax.lax.stop_gradient(jnp.sqrt(estimators.monte_carlo_variance(details.row_values)))
+    metrics["estimator/logp_std_mean"] = jnp.sum(jnp.where(scored, std, 0.0)) / jnp.maximum(
+        jnp.sum(scored), 1)
+    metrics["estimator/logp_std_max"] = jnp.max(jnp.where(scored, std, 0.0))
+  if "old_logp" in registered.requires:  # A ratio objective.
+    log_ratio = jax.lax.stop_gradient(inputs.logp - inputs.old_logp)
+    if spec.token_level:
+      log_ratio = _masked_row_mean(log_ratio, batch.completion_mask)
+    metrics["per_sample/log_ratio"] = log_ratio
+  return loss, metrics
 
 
 def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec: LikelihoodSpec,
-                     use_reference: bool) -> losses.ObjectiveInputs:
+                     use_reference: bool,
+                     log_clip_hi: Array | None = None) -> losses.ObjectiveInputs:
   """What an objective sees of a batch, given its fresh estimates under pi_theta."""
-  return losses.ObjectiveInputs(
+  return losses.ObjectiveInputs(log_clip_hi=log_clip_hi,
       logp=logp, advantages=batch.advantages, old_logp=batch.old_logp,
       mask=batch.completion_mask if spec.token_level else None,
       ref_logp=batch.ref_logp if use_reference else None, eubo=eubo,
       lengths=jnp.sum(batch.completion_mask, axis=-1).astype(jnp.float32))
 
 
-def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
+def surrogate_gradient_norms(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
                              params: Any, batch: RolloutBatch, key: Array, *,
                              spec: LikelihoodSpec,
                              surrogate: Callable[[losses.ObjectiveInputs], Array]) -> Array:
-  """max_j |A_j| * ||grad_theta s_j||: the bound on StableDRL's gradient norm (docs/algorithms.md).
+  """[N] ||grad_theta s_j||, per sample: max_j |A_j| times these bounds StableDRL's gradient
+  norm (docs/algorithms.md).
 
   StableDRL's gradient is a convex combination (per group) of A_j grad s_j, so its norm never
-  exceeds this. s_j is scored on the masks that ``objective_loss`` draws from the same ``key``
-  (stress masks included), one per-sample gradient each (vmapped over the N rows), so memory
-  grows as N x parameters: a diagnostic for small models.
+  exceeds max_j |A_j| ||grad s_j||. s_j is scored on the masks that ``objective_loss`` draws
+  from the same ``key`` (stress masks included), one per-sample gradient each (vmapped over the
+  N rows), so memory grows as N x parameters: a diagnostic for small models.
 
   Args:
     logits_fn_of: (params, attention_mask [B, L]) -> logits_fn, as ``model_logits_fn``.
@@ -211,7 +244,7 @@ def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Arra
       bound (``losses.Objective.surrogate``).
 
   Returns:
-    [] float32.
+    [N] float32.
   """
   masks = estimator_masks(batch, key, spec, stress_mode="easy")
 
@@ -226,5 +259,4 @@ def surrogate_gradient_bound(logits_fn_of: Callable[[Any, Array], Callable[[Arra
   grads = jax.vmap(jax.grad(sample_surrogate), in_axes=(None, 0, 1))(params, batch, masks)
   squares = [jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
              for g in jax.tree.leaves(grads)]
-  norms = jnp.sqrt(sum(squares))
-  return jnp.max(jnp.abs(batch.advantages) * norms)
+  return jnp.sqrt(sum(squares))

@@ -239,6 +239,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(not lg.wandb.project or _importable("wandb"),
            "logging.wandb.project", f"{lg.wandb.project!r} is set, but the `wandb` package is "
            "not installed: pip install wandb (or unset the project)")
+  dg = config.diagnostics
+  _require(dg.spike_factor >= 0, "diagnostics.spike_factor",
+           f"must be >= 0 (0: record non-finite steps only), got {dg.spike_factor!r}")
+  for field in ("spike_window", "spike_min_history"):
+    _require(isinstance(dg[field], int) and dg[field] >= 1, f"diagnostics.{field}",
+             f"must be an integer >= 1, got {dg[field]!r}")
   kinds = ("char",) + family_lib.names()
   _require(config.tokenizer.kind in kinds, "tokenizer.kind",
            f"{config.tokenizer.kind!r} is not one of {kinds} ('char' or a model family)")

@@ -37,6 +37,8 @@ class TrainState:
     key: [2] uint32 raw PRNG key data of the run (``jax.random.wrap_key_data``).
     skipped_steps: updates skipped (non-finite loss, gradient, update or parameters), in total.
     consecutive_skips: updates skipped in a row, up to the latest.
+    log_clip_hi: [] float32 log of StableDRL's upper ratio bound, which its adaptive clip moves
+      between steps (``StableDRLHparams.next_log_clip``); unused otherwise.
   """
 
   step: Array
@@ -45,13 +47,16 @@ class TrainState:
   key: Array
   skipped_steps: Array
   consecutive_skips: Array
+  log_clip_hi: Array
 
 
-def create_train_state(params: Any, tx: optax.GradientTransformation, seed: int) -> TrainState:
+def create_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
+                       log_clip_hi: float = math.log(5.0)) -> TrainState:
   return TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
       key=jax.random.key_data(jax.random.key(seed)), skipped_steps=jnp.zeros((), jnp.int32),
-      consecutive_skips=jnp.zeros((), jnp.int32))
+      consecutive_skips=jnp.zeros((), jnp.int32),
+      log_clip_hi=jnp.asarray(log_clip_hi, jnp.float32))
 
 
 def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardings: Any,
@@ -68,7 +73,8 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardin
   opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state,
                                     param_shardings, transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_state,
-                    key=replicated, skipped_steps=replicated, consecutive_skips=replicated)
+                    key=replicated, skipped_steps=replicated, consecutive_skips=replicated,
+                    log_clip_hi=replicated)
 
 
 def _split_microbatches(batch: rl_loss.RolloutBatch, num_microbatches: int,
@@ -123,10 +129,17 @@ def _merge_microbatches(x: Array, num_microbatches: int, group_size: int) -> Arr
   return jnp.swapaxes(groups, 0, 1).reshape((-1,) + x.shape[2:])
 
 
+PER_SAMPLE = "per_sample/"
+
+
 def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
-  """Microbatch metrics [M] -> scalars: max of '/max' metrics, min of '/min', else mean."""
+  """Microbatch metrics [M] -> scalars: max of '/max' metrics, min of '/min', else mean.
+
+  ``per_sample/`` entries are not metrics and are left out (``update_step`` merges them)."""
   out = {}
   for name, value in stacked.items():
+    if name.startswith(PER_SAMPLE):
+      continue
     if name.endswith("max"):
       out[name] = jnp.max(value)
     elif name.endswith("min"):
@@ -145,8 +158,13 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   """One optimizer update on a rollout batch with fresh estimator masks from ``key``.
 
   ``gradient_bound`` (StableDRL only) also logs ``grad_bound/max``, max_j |A_j| ||grad s_j||,
-  and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1.
+  and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1 (and
+  ``per_sample/grad_norm``, ||grad s_j||).
   ``microbatch_sharding``: see ``microbatch_sharding()``.
+
+  Returns:
+    (new state, metrics): scalars, and ``per_sample/<name>`` [N] arrays in the batch's order
+    (log ratios, weights: what the spike recorder keeps).
   """
 
   def logits_fn_of(params, attention_mask):
@@ -155,7 +173,8 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   def loss_fn(params, micro, micro_key):
     return rl_loss.objective_loss(logits_fn_of(params, micro.attention_mask), micro, micro_key,
                                   spec=spec, objective=objective, hparams=hparams,
-                                  group_size=group_size, use_reference=use_reference)
+                                  group_size=group_size, use_reference=use_reference,
+                                  log_clip_hi=state.log_clip_hi)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   micro = _constrain(_split_microbatches(batch, num_microbatches, group_size),
@@ -169,9 +188,11 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
       registered = losses.get_objective(objective)
       fields = {f.name for f in dataclasses.fields(registered.hparams)}
       bound_params = registered.make_hparams({k: v for k, v in hparams if k in fields})
-      metrics["grad_bound/max"] = rl_loss.surrogate_gradient_bound(
+      norms = rl_loss.surrogate_gradient_norms(
           logits_fn_of, params, mb, mb_key, spec=spec,
           surrogate=lambda inputs: registered.surrogate(inputs, bound_params))
+      metrics["grad_bound/max"] = jnp.max(jnp.abs(mb.advantages) * norms)
+      metrics[PER_SAMPLE + "grad_norm"] = norms
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
     return grads, metrics
 
@@ -187,6 +208,8 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
         lambda g, inputs: accumulate(g, inputs, _in_loop(state.params, g)), zeros,
         (micro, keys))
   metrics = _reduce_metrics(stacked)
+  metrics.update({name: _merge_microbatches(value, num_microbatches, group_size)
+                  for name, value in stacked.items() if name.startswith(PER_SAMPLE)})
   if "log_ratio/max" in metrics:
     metrics["log10_ratio/max"] = metrics["log_ratio/max"] / math.log(10.0)
 

@@ -30,6 +30,7 @@ processes, and ends the run normally; rerunning the command continues exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -53,7 +54,7 @@ from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_l
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost
 from stabledrl_jax.training import optimizer as optimizer_lib
-from stabledrl_jax.training import reward_pool, rl_loss, supervised, train_step
+from stabledrl_jax.training import reward_pool, rl_loss, spikes, supervised, train_step
 
 SFT_DIR = "sft_model"
 # Folded into the step key for the stress selection, so that the other keys stay as they were.
@@ -292,7 +293,10 @@ class Trainer:
     self.state_shardings = train_step.state_shardings(
         self.tx, params, jax.tree.map(lambda p: p.sharding, params),
         jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-    state = jax.jit(lambda p: train_step.create_train_state(p, self.tx, config.seed),
+    # The objective's hyperparameters; StableDRL's adaptive clip starts from max_ratio.
+    self.objective_params = specs.objective_params(config)
+    log_clip_hi = float(np.log(getattr(self.objective_params, "max_ratio", 5.0)))
+    state = jax.jit(lambda p: train_step.create_train_state(p, self.tx, config.seed, log_clip_hi),
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
@@ -325,6 +329,8 @@ class Trainer:
             or profiling.peak_flops_per_device(self.mesh.devices.flat[0]))
     self.peak_flops = peak * self.mesh.devices.size if peak else None
     self.samples = []  # This step's sample rollouts, for the writer.
+    dg = config.diagnostics
+    self.spikes = spikes.SpikeDetector(dg.spike_factor, dg.spike_window, dg.spike_min_history)
 
   def _restore(self, state: train_step.TrainState) -> tuple[train_step.TrainState, dict]:
     """The newest checkpoint that restores whole and finite, after checking that it is this
@@ -338,6 +344,11 @@ class Trainer:
     """
     abstract = checkpointing.abstract_like(state)
     want_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract))
+    # A checkpoint written before TrainState.log_clip_hi existed: the rest restores, and the
+    # bound starts where a fresh run's does.
+    legacy = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)
+              if f.name != "log_clip_hi"}
+    legacy_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(legacy))
     damaged = []
     for step in reversed(self.checkpointer.all_steps()):
       where = f"{self.checkpointer.directory}/{step}"
@@ -349,7 +360,10 @@ class Trainer:
         continue
       if "config" in meta:
         checkpointing.check_resume(self.config, meta["config"], where)
-      if shapes != want_shapes:
+      item = abstract
+      if shapes == legacy_shapes and shapes != want_shapes:
+        item = legacy
+      elif shapes != want_shapes:
         mismatch = next(((a, b) for a, b in zip(shapes, want_shapes) if a != b),
                         (len(shapes), len(want_shapes)))
         raise ValueError(f"config does not match {where}: its {len(shapes)} arrays do not have "
@@ -357,10 +371,12 @@ class Trainer:
                          f"{mismatch[0]} stored vs {mismatch[1]}). Resume with the "
                          "checkpoint's model config, or start a new --workdir.")
       try:
-        restored, meta = self.checkpointer.restore(step, abstract)
+        restored, meta = self.checkpointer.restore(step, item)
       except Exception as error:  # pylint: disable=broad-except
         damaged.append((step, f"it cannot be restored ({type(error).__name__}: {error})"))
         continue
+      if item is legacy:
+        restored = state.replace(**restored)
       bad = checkpointing.nonfinite_leaves(restored.params)
       if bad:
         damaged.append((step, f"{len(bad)} parameters are not finite ({', '.join(bad[:3])}"
@@ -524,13 +540,24 @@ class Trainer:
         batch = batch.replace(ref_logp=ref[i])
       self.state, metrics = self.update(self.state, batch, inner_key)
       inner.append(metrics)
-    # On the host: the metrics are replicated scalars, and host code launches no computation
-    # on global arrays that another process might order differently.
+    # On the host: the metrics are replicated, and host code launches no computation on global
+    # arrays that another process might order differently.
     inner = jax.device_get(inner)
+    per_sample = {name: np.stack([m.pop(name) for m in inner]) for name in list(inner[0])
+                  if name.startswith(train_step.PER_SAMPLE)}  # [I, N] each.
     metrics = train_step._reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
     metrics = {k: float(v) for k, v in metrics.items()}
-    self.state = self.state.replace(step=jax.device_put(
-        np.int32(step + 1), self.state_shardings.step))  # Global on every process.
+    metrics.update(_ratio_noise([float(m["log_ratio/var"]) for m in inner
+                                 if "log_ratio/var" in m]))
+    # StableDRL's adaptive clip: the next step's bound, from this step's clipped fraction.
+    log_clip_hi = float(self.state.log_clip_hi)
+    if hasattr(self.objective_params, "next_log_clip"):
+      metrics["clip/max_ratio"] = float(np.exp(log_clip_hi))
+      log_clip_hi = float(self.objective_params.next_log_clip(
+          log_clip_hi, metrics["clip/frac_upper"] + metrics["clip/frac_lower"]))
+    self.state = self.state.replace(
+        step=jax.device_put(np.int32(step + 1), self.state_shardings.step),  # Global everywhere.
+        log_clip_hi=jax.device_put(np.float32(log_clip_hi), self.state_shardings.log_clip_hi))
 
     # Whole-batch statistics of host-side values: every process's rows.
     # Whole-batch statistics of host-side values: every process's rows, groups contiguous.
@@ -538,6 +565,13 @@ class Trainer:
         [rewards, np.abs(advantages), completion.sum(-1), calls, truncated,
          components]).astype(np.float32), split)
     rewards_all, lengths, components_all = rows[:, 0], rows[:, 2], rows[:, 5:]
+    reason, norm, median = self.spikes.check(
+        np.asarray([m["grad_norm"] for m in inner]),
+        skipped=any(int(m["skipped"]) for m in inner))
+    if reason is not None:  # Replicated metrics: every process takes this branch (collectives).
+      self._record_spike(step + 1, reason, inner, per_sample, tokens, rewards_all, advantages,
+                         stressed, median)
+      metrics.update({"spike/step": step + 1, "spike/grad_norm_over_median": norm / median})
     group_std = rewards_all.reshape(-1, r.group_size).std(axis=-1)
     elapsed = time.perf_counter() - start
     terms = self.scorer.terms
@@ -568,6 +602,31 @@ class Trainer:
         **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
     })
     return metrics
+
+  def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
+                    per_sample: dict[str, np.ndarray], tokens: np.ndarray, rewards: np.ndarray, advantages: np.ndarray,
+                    stressed: np.ndarray | None, median: float) -> None:
+    """Writes ``<workdir>/spikes/step_<step>.npz`` (``spikes.SPIKE_FIELDS``) on process 0, with
+    every process's rows (gathered: a collective every process enters)."""
+    split, prompt_length = self.rollout_split, self.config.rollout.prompt_length
+    gathered = multihost.gather_rows(np.column_stack(
+        [tokens, advantages[:, None], np.zeros((len(tokens), 1)) if stressed is None
+         else stressed[:, None]]).astype(np.float64), split)
+    if not self.primary:
+      return
+    all_tokens = gathered[:, :tokens.shape[1]].astype(np.int64)
+    path = spikes.write_spike(self.workdir, step, {
+        "step": step, "reason": reason, "median": median,
+        "factor": self.config.diagnostics.spike_factor,
+        "grad_norm": np.asarray([float(m["grad_norm"]) for m in inner]),
+        "prompts": np.asarray(data.decode_completions(self.tokenizer,
+                                                      all_tokens[:, :prompt_length])),
+        "completions": np.asarray(data.decode_completions(self.tokenizer,
+                                                          all_tokens[:, prompt_length:])),
+        "rewards": rewards, "advantages": gathered[:, -2], "stressed": gathered[:, -1] > 0,
+        **per_sample})
+    logging.warning("Step %d: %s spike (gradient norms %s, median %.4g); its rollouts are in %s",
+                    step, reason, [f"{float(m['grad_norm']):.4g}" for m in inner], median, path)
 
   # -------------------------------------------------------------------------
   # The loop.
@@ -653,6 +712,20 @@ class Trainer:
   def _write(self, step: int, metrics: dict[str, Any]) -> None:
     if self.writer is not None:
       self.writer.write(step, metrics)
+
+
+def _ratio_noise(variances: list[float]) -> dict[str, float]:
+  """How much of log rho's spread is estimator noise, from its variance over the batch on each
+  inner update (``log_ratio/var``).
+
+  On the first update the policy is pi_old: log rho is pure estimator noise (exactly 0 for
+  coupled masks), so ``ratio_noise/share`` = var(first) / var(last), capped at 1, is the share
+  of the last update's variance that noise explains (1 with one update per step).
+  """
+  if not variances or not variances[-1] > 0:
+    return {}
+  return {"ratio_noise/var_first": variances[0],
+          "ratio_noise/share": min(1.0, variances[0] / variances[-1])}
 
 
 class PreemptionWatcher:
