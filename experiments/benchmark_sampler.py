@@ -24,6 +24,13 @@ none (exact) / prefix / dual, each with the low_confidence schedule and with thr
     python experiments/benchmark_sampler.py --mode caches --prompt_length 192 --gen_length 256 \
         --steps 128 --block_length 32
 
+With ``--workdir`` the model is a trained one (a training workdir's latest checkpoint, e.g. the
+quickstart's) and the prompts its held-out ones, at its own rollout shape unless the shape flags
+say otherwise: a trained model is confident where a random one is not, which is what threshold
+decoding needs.
+
+    python experiments/benchmark_sampler.py --mode caches --workdir runs/quickstart
+
 It prints tokens/s, the speed-up over the exact low_confidence sampler, the model calls per
 sequence and the model's matmul FLOPs per generated token (`models.llada.flops`: a block's first
 call is a full pass that refreshes the cache, its later calls run the block (dual) or the
@@ -150,14 +157,14 @@ def block_calls(reveal_step: np.ndarray, *, block_length: int, steps_per_block: 
           - b * steps_per_block + 1 for b in range(blocks)]
 
 
-def cache_table(model, prompt, key, args) -> None:
+def cache_table(model, prompt, key, args, prompt_mask=None) -> None:
   """Tokens/s and FLOPs per token of none / prefix / dual, with and without threshold decoding."""
   config = model.config
   shape = dict(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
                temperature=args.temperature)
   settings = [(cache, remasking) for remasking in ("low_confidence", "threshold")
               for cache in CACHES]
-  fns = [lambda c=c, r=r: generate(model, prompt, key=key, remasking=r,
+  fns = [lambda c=c, r=r: generate(model, prompt, key=key, remasking=r, prompt_mask=prompt_mask,
                                    threshold=args.threshold, cache=c, return_reveal_step=True,
                                    return_stats=True, **shape)
          for c, r in settings]
@@ -184,6 +191,30 @@ def cache_table(model, prompt, key, args) -> None:
           f"{flops / tokens / 1e9:11.3f} |")
 
 
+def workdir_model_and_prompts(args, parser):
+  """The workdir's latest model and its first ``--batch`` held-out prompts; the shape flags not
+  given on the command line take the workdir's rollout values."""
+  from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+
+  source = checkpoint_source.resolve(args.workdir)
+  config = source.config
+  given = {a.split("=")[0].lstrip("-") for a in __import__("sys").argv[1:]}
+  for name in ("prompt_length", "gen_length", "steps", "block_length", "temperature"):
+    if name not in given:
+      setattr(args, name, config.rollout[name])
+  model = checkpoint_source.load_model(source, mesh=mesh_lib.make_mesh(config.mesh),
+                                       dtype=jnp.float32)
+  tokenizer = data.make_tokenizer(config.tokenizer)
+  examples = data.make_examples(config, "eval")
+  prompts = data.encode_examples(config, tokenizer, tasks.get_task(config.task.name),
+                                 [examples[i] for i in range(args.batch)])
+  if prompts.tokens.shape[1] != args.prompt_length:
+    parser.error(f"the workdir's prompts are {prompts.tokens.shape[1]} tokens long, not "
+                 f"{args.prompt_length}")
+  return model, jnp.asarray(prompts.tokens), jnp.asarray(prompts.mask)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="small")
@@ -200,22 +231,32 @@ def main():
                       help="methods: generate against the loops; caches: KV-cache settings")
   parser.add_argument("--threshold", type=float, default=0.9,
                       help="tau of the threshold rows of --mode caches")
+  parser.add_argument("--workdir", default="",
+                      help="--mode caches: a training workdir's model and held-out prompts, at "
+                           "its rollout shape (the shape flags given explicitly still apply)")
   args = parser.parse_args()
 
-  config = models.get_config(args.config)
-  model = models.LLaDA(config, rngs=nnx.Rngs(0))
+  if args.workdir:
+    if args.mode != "caches":
+      parser.error("--workdir goes with --mode caches")
+    model, prompt, prompt_mask = workdir_model_and_prompts(args, parser)
+    config = model.config
+  else:
+    config = models.get_config(args.config)
+    model = models.LLaDA(config, rngs=nnx.Rngs(0))
+    prompt = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_length), 0,
+                                config.vocab_size - 2, jnp.int32)
+    prompt_mask = None
   mask_id = config.mask_token_id
-  prompt = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_length), 0,
-                              config.vocab_size - 2, jnp.int32)
   key = jax.random.key(2)
   shape = dict(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length)
-  print(f"config={args.config} ({models.count_params(config) / 1e6:.1f}M params), "
+  print(f"config={args.workdir or args.config} ({models.count_params(config) / 1e6:.2f}M params), "
         f"batch={args.batch}, prompt={args.prompt_length}, {shape}, "
         f"temperature={args.temperature}, backend={jax.default_backend()}, "
         f"devices={jax.device_count()}")
 
   if args.mode == "caches":
-    cache_table(model, prompt, key, args)
+    cache_table(model, prompt, key, args, prompt_mask)
     return
   graphdef, state = nnx.split(model)
   forward_jit = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))

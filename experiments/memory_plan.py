@@ -33,6 +33,11 @@ The default plan compiles 12 steps (3 meshes x 2 remat x 2 microbatch sizes), 30
 CPU cores. `--model` is a config name of `--family` (`models.get_config`, `models.get_sdar_config`);
 the abstract model comes from `models.init_model`, as in the trainer.
 
+`--sampler` plans the rollout sampler instead (LLaDA's `sampling.generate` for the config's
+rollout: all P x G rows at once, as the trainer decodes them, rows split over data x fsdp), once
+per `--caches` setting (none / prefix / dual, docs/models.md "Sampling"): XLA's bytes per device,
+and the KV cache's own share (2 x layers x rows x positions x kv heads x head dim, per device).
+
 JSON (`--output`): {"rows": [{"model", "mesh", "remat", "microbatch_groups",
 "per_device_bytes", "device_bytes", "fits", "parameters_bytes", "optimizer_bytes", "batch_bytes",
 "activations_bytes", "compile_seconds", "xla": {XLA's memory analysis}}, ...], "settings": {...}}.
@@ -81,6 +86,11 @@ def _parse_args():
                            "mesh (the paper's 1 where it divides) and 4 times that")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="override a config field, e.g. --set rollout.gen_length=64")
+  parser.add_argument("--sampler", action="store_true",
+                      help="plan the rollout sampler (LLaDA) instead of the train step")
+  parser.add_argument("--caches", default="none,prefix,dual",
+                      type=lambda s: [c for c in s.split(",") if c],
+                      help="with --sampler: the cache settings to compile")
   parser.add_argument("--output", default="", help="JSON file to write")
   return parser.parse_args()
 
@@ -130,6 +140,17 @@ def main():
     config.mesh.update(**mesh_sizes)
     for assignment in args.set:
       _override(config, assignment)
+    label = ",".join(f"{a}={s}" for a, s in mesh_sizes.items() if s > 1) or "1 device"
+    if args.sampler:
+      if not family_lib.get(family).caches or "dual" not in family_lib.get(family).caches:
+        sys.exit(f"--sampler plans LLaDA's KV-cached sampler; {family!r} has none")
+      config.model.remat = False  # Inference: nothing is kept for a backward pass.
+      specs.validate(config, num_devices=ways)
+      for cache in args.caches:
+        print(f"compiling the {args.model} sampler on {label}, cache={cache} ...", flush=True)
+        row = sampler_row(config, jax.devices()[:ways], device_bytes, cache)
+        rows.append(dict(model=args.model, mesh=label, **row))
+      continue
     if args.microbatch_groups:
       groups = [int(g) for g in args.microbatch_groups.split(",")]
     else:
@@ -139,13 +160,12 @@ def main():
         config.train.microbatch_groups = group
         config.model.remat = remat
         specs.validate(config, num_devices=ways)
-        label = ",".join(f"{a}={s}" for a, s in mesh_sizes.items() if s > 1) or "1 device"
         print(f"compiling {args.model} on {label}, remat={remat}, microbatch_groups={group} ...",
               flush=True)
         row = plan_row(config, jax.devices()[:ways], device_bytes)
         rows.append(dict(model=args.model, mesh=label, **row))
   print()
-  print_table(rows)
+  (print_sampler_table if args.sampler else print_table)(rows)
   if args.output:
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
@@ -185,6 +205,65 @@ def plan_row(config, devices, device_bytes: int) -> dict:
               fits=memory["total"] <= device_bytes, parameters_bytes=params,
               optimizer_bytes=optimizer, batch_bytes=batch_bytes,
               activations_bytes=memory["temp"], compile_seconds=seconds, xla=memory)
+
+
+def sampler_row(config, devices, device_bytes: int, cache: str) -> dict:
+  """Compiles the rollout sampler of `config` with `cache` on `devices` from abstract inputs."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import models, profiling, sampling  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import decoding, mesh as mesh_lib, specs  # pylint: disable=g-import-not-at-top
+
+  start = time.perf_counter()
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  model_cfg = specs.model_config(config)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.init_model(model_cfg, seed=0)))
+  state = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state,
+                       models.param_shardings(state, mesh))
+  r = config.rollout
+  n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
+  rows = models.batch_sharding(mesh, ndim=2)
+  prompt = jax.ShapeDtypeStruct((n, r.prompt_length), jnp.int32, sharding=rows)
+  prompt_mask = jax.ShapeDtypeStruct((n, r.prompt_length), jnp.bool_, sharding=rows)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  settings = decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps,
+                                          cache=cache)
+  dynamic = settings.remasking == "threshold"
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = sampling._generate.lower(  # pylint: disable=protected-access
+        graphdef, state, prompt, prompt_mask, key, gen_length=settings.gen_length,
+        steps=0 if dynamic else settings.steps, block_length=settings.block_length,
+        temperature=float(settings.temperature), remasking=settings.remasking,
+        threshold=float(settings.threshold) if dynamic else 0.0,
+        cfg_scale=float(settings.cfg_scale), stop_at_eos=False, cache=cache).compile()
+  seconds = time.perf_counter() - start
+  memory = profiling.compiled_memory(compiled)
+  row_shards = int(np.prod([mesh.shape[a] for a in rows.spec[0]] if isinstance(
+      rows.spec[0], tuple) else [mesh.shape[rows.spec[0]]] if rows.spec[0] else [1]))
+  kv_bytes = 0 if cache == "none" else (
+      2 * model_cfg.n_layers * -(-n // row_shards) * length * model_cfg.n_kv_heads
+      * model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize)
+  return dict(what="sampler", cache=cache, rows=n, positions=length,
+              per_device_bytes=memory["total"], device_bytes=device_bytes,
+              fits=memory["total"] <= device_bytes, parameters_bytes=_shard_bytes(state),
+              kv_cache_bytes=int(kv_bytes), activations_bytes=memory["temp"],
+              compile_seconds=seconds, xla=memory)
+
+
+def print_sampler_table(rows: list[dict]) -> None:
+  gib = 2**30
+  print("| model | mesh | rows x positions | cache | parameters GiB | KV cache GiB | "
+        "temporaries GiB | total GiB / device | device GiB | fits |")
+  print("|---|---|---|---|---:|---:|---:|---:|---:|---|")
+  for r in rows:
+    print(f"| {r['model']} | {r['mesh']} | {r['rows']} x {r['positions']} | {r['cache']} | "
+          f"{r['parameters_bytes'] / gib:.2f} | {r['kv_cache_bytes'] / gib:.2f} | "
+          f"{r['activations_bytes'] / gib:.2f} | {r['per_device_bytes'] / gib:.2f} | "
+          f"{r['device_bytes'] / gib:.1f} | {'yes' if r['fits'] else 'no'} |")
 
 
 def _shard_bytes(tree) -> int:

@@ -24,7 +24,9 @@ with condition ``normal`` or ``stress``:
   is its length-normalized ratio, as the paper defines it);
 - for StableDRL, ``bound_ratio_max``: the largest ||grad|| / (max_j |A_j| ||grad s_j||) over all
   updates, which its convex-hull property keeps <= 1, and ``ess_min``, the smallest per-group
-  effective sample size of its weights.
+  effective sample size of its weights; ``clipped_fraction_mean`` (the share of ratios its clip
+  bound touched) and the bound ``max_ratio_{first,last,min,max}`` (fixed, or the adaptive clip's:
+  docs/diagnostics.md).
 
 Also draws ``<workdir>/stress_test.png`` (gradient norm and reward against step) and prints the
 table in Markdown.
@@ -83,6 +85,12 @@ def summarize(result, threshold: float, final_steps: int) -> dict:
     summary["bound_ratio_max"] = max(metric(h, "grad_norm_over_bound/max") for h in steps)
   if any("snis/ess_min" in h for h in steps):
     summary["ess_min"] = min(metric(h, "snis/ess_min") for h in steps)
+  if any("clip/max_ratio" in h for h in steps):  # StableDRL's bound, fixed or adaptive.
+    bounds = [metric(h, "clip/max_ratio") for h in steps]
+    summary["clipped_fraction_mean"] = statistics.fmean(
+        metric(h, "clip/frac_upper") + metric(h, "clip/frac_lower") for h in steps)
+    summary["max_ratio_first"], summary["max_ratio_last"] = bounds[0], bounds[-1]
+    summary["max_ratio_min"], summary["max_ratio_max"] = min(bounds), max(bounds)
   return summary
 
 
@@ -139,7 +147,7 @@ def run_all(base, workdir: str, names: list[str]) -> dict:
     for condition in CONDITIONS:
       overrides = dict(sweep.objective_variants()[name])
       overrides["estimator.stress.fraction"] = _FRACTION.value if condition == "stress" else 0.0
-      if name == "stabledrl":
+      if overrides["objective.name"] == "stabledrl":  # Its variants too.
         overrides["train.gradient_bound"] = True
       config = sweep.with_overrides(base, overrides)
       result = sweep.train_from_start(config, start, os.path.join(workdir, name, condition))
@@ -181,6 +189,13 @@ def main(argv) -> None:
     json.dump(summary, f, indent=2)
   plot(results, names, os.path.join(workdir, "stress_test.png"))
   print("\n" + markdown_table(summary))
+  clip_rows = [(key, s) for key, s in summary.items() if "max_ratio_last" in s]
+  if clip_rows:
+    print("\n| run | clipped fraction (mean) | bound first | bound last | bound min | bound max |\n"
+          "|---|---|---|---|---|---|")
+    for key, s in clip_rows:
+      print(f"| {key} | {s['clipped_fraction_mean']:.3f} | {s['max_ratio_first']:.3g} | "
+            f"{s['max_ratio_last']:.3g} | {s['max_ratio_min']:.3g} | {s['max_ratio_max']:.3g} |")
   print(f"\nexplosion threshold: {_EXPLOSION_FACTOR.value} x the median grad norm of the "
         f"objective's normal run; wall time {time.perf_counter() - began:.0f} s; wrote "
         f"{workdir}/summary.json and stress_test.png")

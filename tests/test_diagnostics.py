@@ -260,3 +260,28 @@ def test_the_recorder_keeps_the_stress_tests_grpo_spikes(tmp_path):
   assert f"Spikes in {workdir}: {len(files)}" in out
   assert all(f"## step {step}: grad_norm" in out for step in flagged)
   assert all(path.with_suffix(".png").exists() for path in files)
+
+
+def test_a_checkpoint_from_before_the_adaptive_clip_resumes(tmp_path, sft_start):
+  """A state saved without TrainState.log_clip_hi (earlier versions) restores; the bound starts
+  where a fresh run's does, and training continues."""
+  workdir = workdir_with_start(tmp_path / "run", sft_start)
+  trainer.train(tiny_config(**{"train.num_steps": 2}), str(workdir))
+  ckpt = checkpointing.Checkpointer(workdir)
+  import orbax.checkpoint as ocp
+  path = os.path.join(ckpt.directory, "2")
+  state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
+  meta = ckpt.restore_meta(2)
+  del state["log_clip_hi"]
+  shutil.rmtree(path)
+  ckpt.close()
+  ckpt = checkpointing.Checkpointer(workdir)
+  ckpt.save(2, state, meta)
+  ckpt.close()
+  history = trainer.train(tiny_config(**{"train.num_steps": 3}), str(workdir))
+  assert [r["step"] for r in history] == [3]
+  resumed = trainer.Trainer(tiny_config(**{"train.num_steps": 3}), str(workdir))
+  try:
+    assert float(resumed.state.log_clip_hi) == pytest.approx(math.log(5.0))
+  finally:
+    resumed.close()

@@ -135,6 +135,32 @@ def test_memory_plan_shards_the_train_step_over_fake_devices(tmp_path, family):
   assert eight["activations_bytes"] < one["activations_bytes"] / 4
 
 
+def test_memory_plan_of_the_cached_sampler(tmp_path):
+  """--sampler compiles the rollout sampler per cache setting; the KV cache is 2 x layers x rows x
+  positions x kv heads x head dim per device, and the rows split over the devices."""
+  out = tmp_path / "plan.json"
+  run_script("memory_plan.py", f"--output={out}", "--model=tiny", "--sampler",
+             "--meshes=data=1;fsdp=8", "--set=rollout.prompt_length=32",
+             "--set=rollout.gen_length=64", "--set=train.num_steps=1",
+             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["mesh"], r["cache"]) for r in rows] == [
+      (mesh, cache) for mesh in ("1 device", "fsdp=8") for cache in ("none", "prefix", "dual")]
+  config = models.get_config("tiny")
+  for row in rows:
+    devices = 8 if row["mesh"] == "fsdp=8" else 1
+    want = 0 if row["cache"] == "none" else (
+        2 * config.n_layers * row["rows"] // devices * row["positions"] * config.n_kv_heads
+        * config.head_dim * 2)  # The paper config's bfloat16 activations.
+    assert row["kv_cache_bytes"] == want and row["fits"] is True
+    assert row["per_device_bytes"] >= row["activations_bytes"] > 0
+  by = {(r["mesh"], r["cache"]): r for r in rows}
+  assert by["fsdp=8", "dual"]["activations_bytes"] < by["1 device", "dual"]["activations_bytes"] / 4
+  failed = run_script("memory_plan.py", "--model=tiny", "--family=sdar", "--sampler",
+                      "--meshes=data=1", check=False)
+  assert failed.returncode != 0 and "has none" in failed.stderr
+
+
 @pytest.mark.slow
 def test_threshold_decoding_reports_calls_and_accuracy(tmp_path):
   from stabledrl_jax.training import config_lib, trainer  # pylint: disable=g-import-not-at-top
