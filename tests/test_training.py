@@ -611,6 +611,10 @@ def test_too_many_skips_stop_the_run_and_keep_the_checkpoint(tmp_path, monkeypat
   jax.tree.map(np.testing.assert_array_equal, before, after)
   records = metrics_writer.read_metrics(str(tmp_path / "metrics.jsonl"))
   assert [r["skipped_steps"] for r in records] == [0, 2, 4]
+  # The recorder flags the skipped steps; with no finite norm (and no history after the resume)
+  # there is no ratio to the median to log.
+  assert [r.get("spike/step") for r in records] == [None, 2, 3]
+  assert not any("spike/grad_norm_over_median" in r for r in records)
 
 
 def _cli(workdir, *overrides):

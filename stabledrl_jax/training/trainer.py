@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -571,7 +572,9 @@ class Trainer:
     if reason is not None:  # Replicated metrics: every process takes this branch (collectives).
       self._record_spike(step + 1, reason, inner, per_sample, tokens, rewards_all, advantages,
                          stressed, median)
-      metrics.update({"spike/step": step + 1, "spike/grad_norm_over_median": norm / median})
+      metrics["spike/step"] = step + 1
+      if math.isfinite(norm / median):  # Not for a non-finite step, nor before any history.
+        metrics["spike/grad_norm_over_median"] = norm / median
     group_std = rewards_all.reshape(-1, r.group_size).std(axis=-1)
     elapsed = time.perf_counter() - start
     terms = self.scorer.terms
@@ -604,8 +607,8 @@ class Trainer:
     return metrics
 
   def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
-                    per_sample: dict[str, np.ndarray], tokens: np.ndarray, rewards: np.ndarray, advantages: np.ndarray,
-                    stressed: np.ndarray | None, median: float) -> None:
+                    per_sample: dict[str, np.ndarray], tokens: np.ndarray, rewards: np.ndarray,
+                    advantages: np.ndarray, stressed: np.ndarray | None, median: float) -> None:
     """Writes ``<workdir>/spikes/step_<step>.npz`` (``spikes.SPIKE_FIELDS``) on process 0, with
     every process's rows (gathered: a collective every process enters)."""
     split, prompt_length = self.rollout_split, self.config.rollout.prompt_length
