@@ -157,8 +157,11 @@ def block_calls(reveal_step: np.ndarray, *, block_length: int, steps_per_block: 
           - b * steps_per_block + 1 for b in range(blocks)]
 
 
-def cache_table(model, prompt, key, args, prompt_mask=None) -> None:
-  """Tokens/s and FLOPs per token of none / prefix / dual, with and without threshold decoding."""
+def cache_table(model, prompt, key, args, prompt_mask=None) -> list:
+  """Tokens/s and FLOPs per token of none / prefix / dual, with and without threshold decoding.
+
+  Prints the table; returns each setting's ``generate`` outputs (tokens, reveal step, stats), in
+  the table's order."""
   config = model.config
   shape = dict(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
                temperature=args.temperature)
@@ -189,6 +192,7 @@ def cache_table(model, prompt, key, args, prompt_mask=None) -> None:
     print(f"| {cache:<6} | {remasking:<14} | {best:7.2f} | {tokens / best:9.1f} | "
           f"{base / best:7.2f}x | {float(np.mean(stats['model_calls'])):9.1f} | "
           f"{flops / tokens / 1e9:11.3f} |")
+  return [timings.outputs[i] for i in range(len(settings))]
 
 
 def workdir_model_and_prompts(args, parser):

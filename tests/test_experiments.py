@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from stabledrl_jax import models
@@ -180,6 +181,50 @@ def test_threshold_decoding_reports_calls_and_accuracy(tmp_path):
   assert one["model_calls"] == 40  # tau = 1: one token per call.
   assert all(0 <= r["accuracy"] <= 100 for r in result["rows"])
   assert "| threshold tau = 0.0 |" in printed
+
+
+def _experiment_module(name):
+  """An experiments/ script imported as a module (its neighbours importable, as when run)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(REPO / "experiments"))
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(str(REPO / "experiments"))
+
+
+def test_paper_shape_stand_in_fits_the_shape_and_reasons_correctly():
+  """The stand-in task of experiments/paper_shape_sampler.py: prompts fit 192 tokens, worked
+  solutions fit 256 with their EOS, each line's givens are the puzzle's and exclude the digit
+  that line writes, and the reference scores 100 (an id past the characters scores, not
+  crashes)."""
+  from stabledrl_jax import tasks, tokenizers  # pylint: disable=g-import-not-at-top
+  paper = _experiment_module("paper_shape_sampler")
+  tokenizer = tokenizers.CharTokenizer()
+  examples = [tasks.SudokuGenerator(64, seed=3, blanks_range=(4, 6))[i] for i in range(64)]
+  prompts, prompt_mask, completions = paper.encode(tokenizer, examples)
+  assert prompts.shape == (64, paper.PROMPT_LENGTH) and prompt_mask.any(axis=1).all()
+  assert completions.shape == (64, paper.GEN_LENGTH)
+  assert (completions[:, -1] == tokenizer.eos_id).all()
+  for example in examples[:16]:
+    puzzle, solution = tasks.sudoku.puzzle_of(example), example.reference
+    lines = paper.worked_solution(puzzle, solution).split("\n")
+    blanks = [i for i, d in enumerate(puzzle) if d == "0"]
+    assert len(lines) == len(blanks) + 1 and lines[-1] == f"<answer>{solution}</answer>"
+    for cell, line in zip(blanks, lines):
+      r, c = divmod(cell, 4)
+      head, rest = line.split(": ")
+      assert head == f"r{r + 1}c{c + 1}"
+      _, row, _, col, _, box, _, digit = rest.split(" ")
+      assert digit == solution[cell]
+      assert set(row) == set(puzzle[4 * r:4 * r + 4]) - {"0"}
+      assert set(col) == set(puzzle[c::4]) - {"0"}
+      assert digit not in row + col + box
+  assert paper.cell_accuracy(tokenizer, completions, examples) == 100.0
+  garbled = completions.copy()
+  garbled[:, :8] = 10_000  # In the worked lines: the answer still counts.
+  assert paper.cell_accuracy(tokenizer, garbled, examples) == 100.0
+  assert paper.cell_accuracy(tokenizer, np.full_like(completions, 10_000), examples) == 0.0
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "notebooks").glob("*.ipynb")),
