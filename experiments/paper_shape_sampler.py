@@ -100,11 +100,10 @@ def fit_model(args, tokenizer) -> nnx.Module:
     del step
     examples = [train[int(i)] for i in rng.integers(len(train), size=args.fit_batch)]
     prompts, prompt_mask, completions = encode(tokenizer, examples)
-    tokens = np.concatenate([prompts, completions], axis=1)
-    completion_mask = np.concatenate([np.zeros_like(prompt_mask), np.ones_like(completions,
-                                                                                bool)], axis=1)
-    return tokens, np.concatenate([prompt_mask, np.zeros_like(completions, bool)], 1), \
-        completion_mask
+    answered = np.ones_like(completions, bool)
+    return (np.concatenate([prompts, completions], axis=1),
+            np.concatenate([prompt_mask, ~answered], axis=1),  # prompt mask [B, 448]
+            np.concatenate([np.zeros_like(prompt_mask), answered], axis=1))  # completion mask
 
   start = time.perf_counter()
   supervised.fit(model, sample_batch, num_steps=steps, learning_rate=args.learning_rate,
