@@ -121,6 +121,13 @@ def make_step_fn(model, *, mask_id, block_length, temperature):
   return lambda x, count, lo, key: step(state, x, count, lo, key)
 
 
+# The shape flags: the paper's rollout setting (block 32, two tokens per step, temperature 0.9) at
+# half its generation length, so that the three methods together run in about a minute on 2 CPU
+# cores.
+SHAPE_DEFAULTS = dict(prompt_length=32, gen_length=128, steps=64, block_length=32,
+                      temperature=0.9)
+
+
 def run_interleaved(fns, repeats):
   """Warm each function up (compiles), then time them in turn `repeats` times, so that all see
   the same machine load; returns their outputs, first-call overheads and best times."""
@@ -195,18 +202,13 @@ def cache_table(model, prompt, key, args, prompt_mask=None) -> list:
   return [timings.outputs[i] for i in range(len(settings))]
 
 
-def workdir_model_and_prompts(args, parser):
-  """The workdir's latest model and its first ``--batch`` held-out prompts; the shape flags not
-  given on the command line take the workdir's rollout values."""
+def workdir_model_and_prompts(source, args, parser):
+  """The model of ``source`` (a resolved workdir checkpoint) and its first ``--batch`` held-out
+  prompts."""
   from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  source = checkpoint_source.resolve(args.workdir)
   config = source.config
-  given = {a.split("=")[0].lstrip("-") for a in __import__("sys").argv[1:]}
-  for name in ("prompt_length", "gen_length", "steps", "block_length", "temperature"):
-    if name not in given:
-      setattr(args, name, config.rollout[name])
   model = checkpoint_source.load_model(source, mesh=mesh_lib.make_mesh(config.mesh),
                                        dtype=jnp.float32)
   tokenizer = data.make_tokenizer(config.tokenizer)
@@ -222,14 +224,10 @@ def workdir_model_and_prompts(args, parser):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="small")
-  # The paper's rollout setting (block 32, two tokens per step, temperature 0.9) at half its
-  # generation length, so that the three methods together run in about a minute on 2 CPU cores.
   parser.add_argument("--batch", type=int, default=2)
-  parser.add_argument("--prompt_length", type=int, default=32)
-  parser.add_argument("--gen_length", type=int, default=128)
-  parser.add_argument("--steps", type=int, default=64)
-  parser.add_argument("--block_length", type=int, default=32)
-  parser.add_argument("--temperature", type=float, default=0.9)
+  for name, default in SHAPE_DEFAULTS.items():  # None: the workdir's value, else the default.
+    parser.add_argument(f"--{name}", type=type(default), default=None,
+                        help=f"default {default} (with --workdir: its rollout's)")
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--mode", default="methods", choices=("methods", "caches"),
                       help="methods: generate against the loops; caches: KV-cache settings")
@@ -239,11 +237,18 @@ def main():
                       help="--mode caches: a training workdir's model and held-out prompts, at "
                            "its rollout shape (the shape flags given explicitly still apply)")
   args = parser.parse_args()
-
+  if args.workdir and args.mode != "caches":
+    parser.error("--workdir goes with --mode caches")
+  source = None
   if args.workdir:
-    if args.mode != "caches":
-      parser.error("--workdir goes with --mode caches")
-    model, prompt, prompt_mask = workdir_model_and_prompts(args, parser)
+    from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+    source = checkpoint_source.resolve(args.workdir)
+  for name, default in SHAPE_DEFAULTS.items():
+    if getattr(args, name) is None:
+      setattr(args, name, source.config.rollout[name] if source else default)
+
+  if source:
+    model, prompt, prompt_mask = workdir_model_and_prompts(source, args, parser)
     config = model.config
   else:
     config = models.get_config(args.config)

@@ -211,7 +211,6 @@ def sampler_row(config, devices, device_bytes: int, cache: str) -> dict:
   """Compiles the rollout sampler of `config` with `cache` on `devices` from abstract inputs."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from stabledrl_jax import models, profiling, sampling  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import decoding, mesh as mesh_lib, specs  # pylint: disable=g-import-not-at-top
@@ -242,10 +241,9 @@ def sampler_row(config, devices, device_bytes: int, cache: str) -> dict:
         cfg_scale=float(settings.cfg_scale), stop_at_eos=False, cache=cache).compile()
   seconds = time.perf_counter() - start
   memory = profiling.compiled_memory(compiled)
-  row_shards = int(np.prod([mesh.shape[a] for a in rows.spec[0]] if isinstance(
-      rows.spec[0], tuple) else [mesh.shape[rows.spec[0]]] if rows.spec[0] else [1]))
+  rows_per_device = prompt.sharding.shard_shape(prompt.shape)[0]
   kv_bytes = 0 if cache == "none" else (
-      2 * model_cfg.n_layers * -(-n // row_shards) * length * model_cfg.n_kv_heads
+      2 * model_cfg.n_layers * rows_per_device * length * model_cfg.n_kv_heads
       * model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize)
   return dict(what="sampler", cache=cache, rows=n, positions=length,
               per_device_bytes=memory["total"], device_bytes=device_bytes,
