@@ -632,6 +632,7 @@ class Objective:
       raise ValueError(f"{unknown[0]}: {self.name!r} has no hyperparameter {unknown[0]!r}; its "
                        f"hyperparameters are {sorted(fields)}")
     params = self.hparams(**given)
+    _check_finite(params)
     if hasattr(params, "check"):
       params.check()
     return params
@@ -743,6 +744,31 @@ def _choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
     raise ValueError(f"{field}: {value!r} is not one of {allowed}")
 
 
+def _check_finite(params: Any) -> None:
+  """Every number field of a hyperparameter dataclass is finite (a NaN or infinite clip bound,
+  coefficient or weight poisons every update; ``make_hparams`` checks this before ``check()``).
+
+  Raises:
+    ValueError: "<field>: must be a finite number, got nan".
+  """
+  for field in dataclasses.fields(params):
+    value = getattr(params, field.name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(
+        value):
+      raise ValueError(f"{field.name}: must be a finite number, got {value!r}")
+
+
+def _in_range(field: str, value: float, low: float, high: float = math.inf, *,
+              low_open: bool = False, high_open: bool = False) -> None:
+  """Raises ValueError "<field>: must lie in [low, high], got v" (open ends as asked)."""
+  above = value > low if low_open else value >= low
+  below = value < high if high_open else value <= high
+  if not (isinstance(value, (int, float)) and not isinstance(value, bool) and above and below):
+    interval = (("(" if low_open else "[") + f"{low}, {high}"
+                + (")" if high_open or high == math.inf else "]"))
+    raise ValueError(f"{field}: must lie in {interval}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOHparams:
   """d1's GRPO: token level (per-token ratios) or sequence level, PPO clip, k3 KL at 0.04."""
@@ -756,6 +782,10 @@ class GRPOHparams:
   def check(self) -> None:
     _choice("level", self.level, ("token", "sequence"))
     _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+    # rho is clipped to [1 - epsilon_low, 1 + epsilon_high]: a lower bound below 0 means nothing.
+    _in_range("epsilon_low", self.epsilon_low, 0.0, 1.0)
+    _in_range("epsilon_high", self.epsilon_high, 0.0)
+    _in_range("beta", self.beta, 0.0)
 
 
 def _grpo_estimator(params: GRPOHparams) -> dict[str, Any]:
@@ -790,6 +820,10 @@ class ESPOHparams:
   epsilon: float = 0.2
   beta: float = 1e-3
 
+  def check(self) -> None:
+    _in_range("epsilon", self.epsilon, 0.0, 1.0)  # rho clipped to [1 - epsilon, 1 + epsilon].
+    _in_range("beta", self.beta, 0.0)
+
 
 # ESPO: its own ELBO (count schedule stratified over the batch, complementary pass, the whole
 # generation scored), two samples, masks shared with pi_old and the reference, leave-one-out
@@ -821,6 +855,13 @@ class SPGHparams:
 
   def check(self) -> None:
     _choice("surrogate", self.surrogate, ("elbo", "sandwich"))
+    _check_sandwich(self)
+
+
+def _check_sandwich(params: Any) -> None:
+  """SPG's sandwich: omega mixes EUBO and ELBO; eubo_beta is the Renyi order (estimators.py)."""
+  _in_range("omega", params.omega, 0.0, 1.0)
+  _in_range("eubo_beta", params.eubo_beta, 0.0, low_open=True)
 
 
 def _sandwich_eubo(params: Any) -> float | None:
@@ -873,6 +914,7 @@ class StableDRLHparams:
     _choice("normalize_over", self.normalize_over, ("group", "batch"))
     _choice("surrogate", self.surrogate, ("elbo", "sandwich"))
     _choice("clip_mode", self.clip_mode, CLIP_MODES)
+    _check_sandwich(self)
     if not 0 <= self.clip_target_low < self.clip_target_high <= 1:
       raise ValueError(f"clip_target_high: needs 0 <= clip_target_low < clip_target_high <= 1, "
                        f"got {self.clip_target_low}, {self.clip_target_high}")

@@ -92,7 +92,8 @@ class CharTokenizer(_BatchMixin):
 
   def __init__(self, alphabet: str = DEFAULT_ALPHABET):
     if len(set(alphabet)) != len(alphabet):
-      raise ValueError("The alphabet has repeated characters.")
+      repeated = sorted({char for char in alphabet if alphabet.count(char) > 1})
+      raise ValueError(f"the alphabet repeats {''.join(repeated)!r}; list each character once")
     self.alphabet = alphabet
     self.pad_id, self.mask_id, self.eos_id, self.unk_id = range(len(CHAR_SPECIAL_TOKENS))
     offset = len(CHAR_SPECIAL_TOKENS)
@@ -180,6 +181,10 @@ def qwen_chat_prompt(user_message: str, *, assistant_prefix: str = "") -> str:
           f"{assistant_prefix}")
 
 
+class TokenizerError(ValueError):
+  """A tokenizer file that cannot be read, or lacks a token the model needs (names the file)."""
+
+
 class HFTokenizer(_BatchMixin):
   """A `tokenizers.Tokenizer` (tokenizer.json) with the ids a diffusion model needs.
 
@@ -222,14 +227,21 @@ class HFTokenizer(_BatchMixin):
     path = pathlib.Path(hub.local_path(str(path), files=hub.TOKENIZER_FILES))
     if path.is_dir():
       path = path / "tokenizer.json"
-    tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    if not path.is_file():
+      raise FileNotFoundError(f"no tokenizer file at {path}")
+    try:
+      tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # pylint: disable=broad-except  (the Rust parser's plain Exception)
+      raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json: "
+                           f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
+                           ) from None
 
     def id_of(token: str | None) -> int | None:
       if token is None:
         return None
       token_id = tokenizer.token_to_id(token)
       if token_id is None:
-        raise ValueError(f"{path} has no token {token!r}.")
+        raise TokenizerError(f"{path} has no token {token!r}.")
       return token_id
 
     return cls(tokenizer, mask_id=id_of(mask_token), eos_id=id_of(eos_token),
@@ -254,7 +266,8 @@ class HFTokenizer(_BatchMixin):
       found = {"mask": tokenizer.mask_id, "eos": tokenizer.eos_id, "eot": tokenizer.eot_id,
                "bos": tokenizer.bos_id}
       if found != expected:
-        raise ValueError(f"Not LLaDA's special-token ids: found {found}, expected {expected}.")
+        raise TokenizerError(f"Not LLaDA's special-token ids in {path}: found {found}, "
+                             f"expected {expected}.")
     return tokenizer
 
   @classmethod
@@ -272,7 +285,8 @@ class HFTokenizer(_BatchMixin):
       expected = {"mask": SDAR_MASK_ID, "eos": SDAR_EOS_ID, "eot": SDAR_EOT_ID}
       found = {"mask": tokenizer.mask_id, "eos": tokenizer.eos_id, "eot": tokenizer.eot_id}
       if found != expected:
-        raise ValueError(f"Not SDAR's special-token ids: found {found}, expected {expected}.")
+        raise TokenizerError(f"Not SDAR's special-token ids in {path}: found {found}, "
+                             f"expected {expected}.")
     return tokenizer
 
   def encode(self, text: str, *, add_eos: bool = False) -> list[int]:

@@ -46,15 +46,20 @@ def main(argv):
   except (ValueError, FileNotFoundError, NotImplementedError, ImportError, RuntimeError) as error:
     if _VERBOSE.value:
       raise
-    sys.exit(f"error: {error}\n(--verbose shows the traceback)")
+    sys.exit(f"error: {error} (--verbose shows the traceback)")
 
 
 def run() -> None:
   """The console script: ``--config NAME`` resolved to the shipped file, then absl."""
   try:
     argv = config_lib.resolve_config_flag(sys.argv)
-  except FileNotFoundError as error:
-    sys.exit(f"error: {error}")
+    # absl's config_flags fail on a missing file or an unknown field with a traceback.
+    config_lib.check_config_flags(argv[1:])
+  except (FileNotFoundError, ValueError) as error:
+    if any(arg in ("--verbose", "--verbose=true", "--verbose=True") for arg in sys.argv):
+      raise
+    hint = " (--verbose shows the traceback)" if error.__cause__ is not None else ""
+    sys.exit(f"error: {error}{hint}")
   app.run(main, argv=argv)
 
 

@@ -124,7 +124,8 @@ def test_a_torn_last_line_is_dropped_and_the_rest_kept(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("model.overrides.d_model", 48), ("objective.name", "spg"), ("tokenizer.alphabet", "0123"),
+    ("model.overrides.d_model", 48), ("objective.name", "spg"),
+    ("tokenizer.alphabet", " /0123456789:<>Sadeklnoprsuwzx"),  # The quickstart's, plus 'x'.
 ])
 def test_a_resume_with_another_run_config_fails_and_writes_nothing(run, tmp_path, field, value):
   workdir = _copy(run, tmp_path)

@@ -49,6 +49,34 @@ def answer_text(example: tasks.Example, reference: str | None = None) -> str:
   return f"<answer>{reference}</answer>"
 
 
+def check_alphabet(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example], *,
+                   limit: int = 64) -> None:
+  """Raises ValueError naming ``config.tokenizer.alphabet`` when a character tokenizer cannot
+  spell the reference answers (in the ``answer_text`` layout) of the first ``limit`` examples:
+  their characters would become ``<unk>``, so no completion could be read as an answer and
+  every reward would be 0. Other tokenizers pass.
+  """
+  if not isinstance(tokenizer, tokenizers.CharTokenizer):
+    return
+  known = set(tokenizer.alphabet)
+  missing, shown = set(), None
+  for index in range(min(len(examples), limit)):
+    example = examples[index]
+    if example.reference is None:
+      continue
+    text = answer_text(example)
+    gaps = set(text) - known
+    if gaps and shown is None:
+      shown = text
+    missing |= gaps
+  if missing:
+    raise ValueError(
+        f"config.tokenizer.alphabet: {tokenizer.alphabet!r} cannot encode "
+        f"{''.join(sorted(missing))!r}, which task {task.name!r}'s answers use (e.g. "
+        f"{shown[:60]!r}): no completion could spell an answer; add the characters (or leave "
+        "the alphabet '' for the default)")
+
+
 def noisy_demonstration(task: tasks.Task, example: tasks.Example, rng: np.random.Generator, *,
                         error_rate: float, error_cells: int) -> str:
   """The reference as an imperfect demonstrator writes it.
@@ -142,6 +170,7 @@ class PromptSet:
 
 def encode_examples(config: ml_collections.ConfigDict, tokenizer, task: tasks.Task,
                     examples: Sequence[tasks.Example]) -> PromptSet:
+  check_alphabet(tokenizer, task, examples)
   texts = [format_prompt(tokenizer, task, ex, with_instruction=config.task.with_instruction)
            for ex in examples]
   tokens, mask = encode_prompts(tokenizer, texts, config.rollout.prompt_length)

@@ -10,6 +10,7 @@ of a fresh model from ``config.model``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -33,6 +34,94 @@ _OBJECTIVE_ESTIMATOR_FIELDS = ("num_samples", "normalize", "coupled_ratio")
 
 def _finite(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Range:
+  """The interval a float field must lie in (every float field is also finite: ``_numbers``)."""
+
+  low: float = -math.inf
+  high: float = math.inf
+  low_open: bool = False
+  high_open: bool = False
+  note: str = ""
+
+  def check(self, field: str, value: Any) -> None:
+    above = value > self.low if self.low_open else value >= self.low
+    below = value < self.high if self.high_open else value <= self.high
+    if _finite(value) and above and below:
+      return
+    interval = (("(" if self.low_open else "[") + f"{self.low:g}, {self.high:g}"
+                + (")" if self.high_open or self.high == math.inf else "]"))
+    note = f" ({self.note})" if self.note else ""
+    raise ValueError(f"config.{field}: must be a finite number in {interval}{note}, "
+                     f"got {value!r}")
+
+
+_UNIT = _Range(0.0, 1.0)
+_NON_NEGATIVE = _Range(0.0)
+_POSITIVE = _Range(0.0, low_open=True)
+_RATE = _Range(0.0, 1.0, low_open=True, note="a learning rate")
+# The range of every float field of ``config_lib.base_config()`` outside the objective sections
+# (whose fields the objective's hyperparameter dataclass checks: ``losses.Objective.
+# make_hparams``); tests/test_validation.py holds base_config() to it. None values (an unset
+# placeholder) are not checked here.
+FLOAT_RANGES: dict[str, _Range] = {
+    "rollout.temperature": _Range(0.0, note="0: greedy"),
+    "rollout.threshold": _Range(0.0, 1.0, low_open=True, note="a confidence"),
+    "optimizer.learning_rate": _RATE,
+    "optimizer.b1": _Range(0.0, 1.0, high_open=True, note="Adam's first-moment decay"),
+    "optimizer.b2": _Range(0.0, 1.0, high_open=True, note="Adam's second-moment decay"),
+    "optimizer.eps": _POSITIVE,
+    "optimizer.weight_decay": _NON_NEGATIVE,
+    "optimizer.grad_clip": _Range(0.0, note="0: off"),
+    "optimizer.end_lr_factor": _Range(0.0, 1.0, note="the final fraction of the learning rate"),
+    "sft.learning_rate": _RATE,
+    "sft.demo_error_rate": _Range(0.0, 1.0, note="a probability"),
+    "estimator.prompt_mask_prob": _Range(0.0, 1.0, note="a probability"),
+    "estimator.stress.fraction": _Range(0.0, 1.0, note="0: off"),
+    "estimator.stress.easy_rate": _Range(0.0, 1.0, low_open=True),
+    "estimator.stress.hard_rate": _Range(0.0, 1.0, low_open=True),
+    "checkpoint.every_seconds": _Range(0.0, note="0: off"),
+    "task.reward_timeout_s": _POSITIVE,
+    "logging.peak_tflops_per_device": _Range(0.0, note="0: the device kind's"),
+    "diagnostics.spike_factor": _Range(0.0, note="0: record non-finite steps only"),
+}
+# seed + 1 seeds the evaluation data, and jax.random.key keeps 32 bits of a seed (2**32 would
+# silently be seed 0).
+_MAX_SEED = 2**32 - 2
+
+
+def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+  """(dotted path, value) of every leaf of a ConfigDict (sequences' items as ``path[i]``)."""
+  if hasattr(tree, "items") and callable(tree.items):
+    out = []
+    for key, value in tree.items():
+      out.extend(_leaves(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}"))
+    return out
+  if isinstance(tree, (list, tuple)):
+    return [leaf for i, item in enumerate(tree) for leaf in _leaves(item, f"{prefix}[{i}]")]
+  return [(prefix, tree)]
+
+
+def _numbers(config: ml_collections.ConfigDict) -> None:
+  """Every number anywhere in the config is finite, then each float field of ``FLOAT_RANGES``
+  lies in its range: one NaN optimizer or clip setting poisons every update."""
+  for field, value in _leaves(config):
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"config.{field}: must be a finite number, got {value!r}")
+  for field, bounds in FLOAT_RANGES.items():
+    section, _, name = field.rpartition(".")
+    holder = config
+    for part in section.split("."):
+      holder = holder.get(part) if holder is not None else None
+    value = holder.get(name) if holder is not None else None
+    if value is not None:
+      bounds.check(field, value)
+  seed = config.get("seed")
+  _require(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= _MAX_SEED,
+           "seed", f"must be an integer in [0, {_MAX_SEED}] (the PRNG key takes 32 bits), "
+           f"got {seed!r}")
 
 
 def _importable(module: str) -> bool:
@@ -148,27 +237,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(name in losses.objective_names(), "objective.name",
            f"{name!r} is not one of {losses.objective_names()}")
   family, named = _validate_model(config)
+  _numbers(config)
   r = config.rollout
   for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
                 "block_length"):
+  if config.tokenizer.kind == "char":  # Before the model, whose vocabulary is the alphabet's.
+    try:
+      data.make_tokenizer(config.tokenizer)
+    except ValueError as err:
+      raise ValueError(f"config.tokenizer.alphabet: {err}") from None
     _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
              f"must be a positive integer, got {r[field]!r}")
   if named is not None:  # A checkpoint's layout is checked when it is loaded.
     family.check_rollout(r, named)
-  _require(r.temperature >= 0, "rollout.temperature", f"must be >= 0, got {r.temperature}")
   _require(r.remasking in family.remasking, "rollout.remasking",
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
-  _require(0 < r.threshold <= 1, "rollout.threshold", f"must lie in (0, 1], got {r.threshold}")
   _require(r.get("cache", "none") in family.caches, "rollout.cache",
            f"{r.get('cache')!r} is not one of {family.caches} (model.family={family.name!r})")
   objective_params(config)  # Its own checks, naming the field.
   _validate_estimator(config, family)
   stress = config.estimator.stress
-  _require(0 <= stress.fraction <= 1, "estimator.stress.fraction",
-           f"must lie in [0, 1] (0: off), got {stress.fraction}")
-  for field in ("easy_rate", "hard_rate"):
-    _require(0 < stress[field] <= 1, f"estimator.stress.{field}",
-             f"must lie in (0, 1], got {stress[field]}")
   _require(stress.easy_rate <= stress.hard_rate, "estimator.stress.easy_rate",
            f"the easy masks must not mask more than the hard ones, got easy_rate="
            f"{stress.easy_rate} > hard_rate={stress.hard_rate}")
@@ -180,14 +268,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
            f"{r.group_size}: the advantages are relative to the group, so a group of one "
            "gives every completion advantage 0 and nothing is learned; use at least 2")
   o = config.optimizer
-  for field, section in (("optimizer.learning_rate", o), ("sft.learning_rate", config.sft)):
-    rate = section.learning_rate
-    _require(_finite(rate) and 0 < rate <= 1, field,
-             f"must be a finite rate in (0, 1], got {rate!r}")
-  for field in ("grad_clip", "weight_decay", "warmup_steps", "end_lr_factor"):
-    if field in o:
-      _require(_finite(o[field]) and o[field] >= 0, f"optimizer.{field}",
-               f"must be finite and >= 0, got {o[field]!r}")
+  _require(isinstance(o.warmup_steps, int) and o.warmup_steps >= 0, "optimizer.warmup_steps",
+           f"must be an integer >= 0, got {o.warmup_steps!r}")
   _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
            f"{o.schedule!r} is not 'linear' or 'constant'")
   t = config.train
@@ -202,10 +284,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
              f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")
   _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
-  _require(config.checkpoint.every_seconds >= 0, "checkpoint.every_seconds",
-           "must be >= 0 (0: off)")
   _require(config.task.reward_workers >= 0, "task.reward_workers", "must be >= 0 (0: in process)")
-  _require(config.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
   _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
   _require(config.eval.batch_size >= 1, "eval.batch_size",
@@ -234,14 +313,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   for field in ("samples_every_steps", "num_samples"):
     _require(isinstance(lg[field], int) and lg[field] >= 0, f"logging.{field}",
              f"must be an integer >= 0, got {lg[field]!r}")
-  _require(lg.peak_tflops_per_device >= 0, "logging.peak_tflops_per_device",
-           "must be >= 0 (0: the device kind's)")
   _require(not lg.wandb.project or _importable("wandb"),
            "logging.wandb.project", f"{lg.wandb.project!r} is set, but the `wandb` package is "
            "not installed: pip install wandb (or unset the project)")
   dg = config.diagnostics
-  _require(dg.spike_factor >= 0, "diagnostics.spike_factor",
-           f"must be >= 0 (0: record non-finite steps only), got {dg.spike_factor!r}")
   for field in ("spike_window", "spike_min_history"):
     _require(isinstance(dg[field], int) and dg[field] >= 1, f"diagnostics.{field}",
              f"must be an integer >= 1, got {dg[field]!r}")
@@ -252,6 +327,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
     try:
       sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
+  _validate_task_data(config)
     except ValueError as err:
       raise ValueError(str(err)) from None
     ways = sizes["data"] * sizes["fsdp"]
@@ -276,6 +352,27 @@ def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Fa
   settings = estimator_settings(config)
   likelihood = family.likelihood
   method, methods = settings["method"], likelihood.methods()
+def _validate_task_data(config: ml_collections.ConfigDict) -> None:
+  """task.name is registered, and a character tokenizer's alphabet spells the answers of the
+  synthetic examples (``data.check_alphabet``; a dataset's are checked once it is loaded)."""
+  try:
+    task = tasks.get_task(config.task.name)
+  except KeyError:
+    raise ValueError(f"config.task.name: {config.task.name!r} is not a registered task; choose "
+                     f"from {tasks.list_tasks()}") from None
+  if config.tokenizer.kind != "char":
+    return
+  tokenizer = data.make_tokenizer(config.tokenizer)  # Its alphabet was checked in validate().
+  for split in ("train", "eval"):
+    if config.data[split] != "synthetic":
+      continue
+    try:
+      examples = data.make_examples(config, split)
+    except TypeError as err:  # An option the task's generator does not take.
+      raise ValueError(f"config.data.generator: {err}") from None
+    data.check_alphabet(tokenizer, task, examples)
+
+
   _require(method in methods, "estimator.method",
            f"{method!r} is not one of {methods} (model.family={family.name!r})")
   if token_level(config):

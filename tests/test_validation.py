@@ -1,0 +1,272 @@
+"""Config validation (docs/reliability.md): every value that would poison a run, and every field
+or file name that does not exist, is a one-line error naming it before anything is written."""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from stabledrl_jax import losses, tasks, tokenizers
+from stabledrl_jax.training import config_lib, data, specs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "configs" / "quickstart.py")
+NON_FINITE = (float("nan"), float("inf"), float("-inf"))
+
+
+def quickstart(**updates) -> ml_collections.ConfigDict:
+  config = config_lib.from_file(QUICKSTART)
+  for field, value in updates.items():
+    *sections, name = field.split(".")
+    holder = config
+    for section in sections:
+      holder = holder[section]
+    holder[name] = value
+  return config
+
+
+def float_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every field of ``config`` whose declared type is float (unset placeholders included)."""
+  fields = []
+  for key in config.keys():
+    value = config[key]
+    if isinstance(value, ml_collections.ConfigDict):
+      fields.extend(float_fields(value, f"{prefix}{key}."))
+    elif config.get_type(key) is float:
+      fields.append(f"{prefix}{key}")
+  return fields
+
+
+def objective_float_hparams() -> list[tuple[str, str]]:
+  """(objective, field) for every float hyperparameter of every registered objective."""
+  return [(objective.name, field.name) for objective in losses.objectives()
+          for field in dataclasses.fields(objective.hparams)
+          if isinstance(field.default, float)]
+
+
+def assert_names(error: BaseException, field: str) -> None:
+  message = str(error)
+  assert message.startswith(f"config.{field}: "), message
+  assert "\n" not in message, message
+
+
+# ---------------------------------------------------------------------------
+# Numbers: finite, in range; the seed.
+# ---------------------------------------------------------------------------
+
+
+def test_every_float_field_refuses_nan_and_infinity_naming_it():
+  fields = float_fields(config_lib.base_config())
+  assert {"optimizer.b1", "optimizer.eps", "rollout.temperature", "sft.demo_error_rate",
+          "objective.grpo.beta", "objective.spg.omega"} <= set(fields)  # The walk sees them.
+  specs.validate(quickstart())
+  for field in fields:
+    for value in NON_FINITE:
+      updates = {field: value}
+      if field.startswith("objective."):  # The objective of the section too: its own check.
+        updates["objective.name"] = field.split(".")[1]
+      with pytest.raises(ValueError) as error:
+        specs.validate(quickstart(**updates))
+      assert_names(error.value, field)
+
+
+def test_every_float_hyperparameter_of_every_objective_refuses_nan_and_infinity():
+  params = objective_float_hparams()
+  assert ("grpo", "epsilon_low") in params and ("espo", "beta") in params
+  for name, field in params:
+    objective = losses.get_objective(name)
+    objective.make_hparams({})  # The defaults pass.
+    for value in NON_FINITE:
+      with pytest.raises(ValueError, match=rf"^{field}: must be a finite number"):
+        objective.make_hparams({field: value})
+
+
+def test_every_float_field_of_base_config_has_a_range():
+  """A new float field needs a range in specs.FLOAT_RANGES (or its objective's check)."""
+  hparams = {f"objective.{name}.{field}" for name, field in objective_float_hparams()}
+  unranged = [field for field in float_fields(config_lib.base_config())
+              if field not in specs.FLOAT_RANGES and field not in hparams]
+  assert not unranged
+  assert not set(specs.FLOAT_RANGES) - set(float_fields(config_lib.base_config()))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("optimizer.b1", 1.0), ("optimizer.b1", -0.1), ("optimizer.b2", 1.5), ("optimizer.eps", 0.0),
+    ("optimizer.end_lr_factor", 1.5), ("rollout.temperature", -0.5), ("rollout.threshold", 0.0),
+    ("sft.demo_error_rate", 2.0), ("sft.demo_error_rate", -0.1),
+    ("estimator.prompt_mask_prob", 1.5), ("checkpoint.every_seconds", -1.0),
+    ("task.reward_timeout_s", 0.0), ("diagnostics.spike_factor", -1.0),
+    ("logging.peak_tflops_per_device", -1.0), ("optimizer.grad_clip", -1.0),
+])
+def test_a_float_out_of_its_range_names_the_field(field, value):
+  with pytest.raises(ValueError, match="must be a finite number in") as error:
+    specs.validate(quickstart(**{field: value}))
+  assert_names(error.value, field)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("optimizer.b1", 0.0), ("optimizer.b2", 0.999), ("rollout.temperature", 0.0),
+    ("rollout.threshold", 1.0), ("sft.demo_error_rate", 1.0), ("optimizer.end_lr_factor", 1.0),
+    ("estimator.prompt_mask_prob", 0.0),
+])
+def test_the_ends_of_a_range_pass(field, value):
+  specs.validate(quickstart(**{field: value}))
+
+
+@pytest.mark.parametrize("name,field,value", [
+    ("grpo", "epsilon_low", 1.5), ("grpo", "epsilon_low", -0.1), ("grpo", "epsilon_high", -0.1),
+    ("grpo", "beta", -0.04), ("espo", "epsilon", 1.2), ("espo", "beta", -1e-3),
+    ("spg", "omega", 1.5), ("spg", "eubo_beta", 0.0), ("stabledrl", "omega", -0.5),
+    ("stabledrl", "eubo_beta", -1.0),
+])
+def test_an_objective_hyperparameter_out_of_range_names_the_field(name, field, value):
+  with pytest.raises(ValueError, match=rf"^{field}: must lie in"):
+    losses.get_objective(name).make_hparams({field: value})
+  with pytest.raises(ValueError) as error:
+    specs.validate(quickstart(**{"objective.name": name, f"objective.{name}.{field}": value}))
+  assert_names(error.value, f"objective.{name}.{field}")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**40])
+def test_a_seed_outside_32_bits_names_the_field(seed):
+  with pytest.raises(ValueError, match="must be an integer in") as error:
+    specs.validate(quickstart(seed=seed))
+  assert_names(error.value, "seed")
+
+
+def test_the_seeds_at_the_ends_pass():
+  for seed in (0, 2**32 - 2):
+    specs.validate(quickstart(seed=seed))
+
+
+def test_a_non_finite_number_anywhere_in_the_config_names_it():
+  """Fields no range covers (a model override, a generator option) are still finite."""
+  config = quickstart()
+  config.model.overrides.rope_theta = float("nan")
+  with pytest.raises(ValueError) as error:
+    specs.validate(config)
+  assert_names(error.value, "model.overrides.rope_theta")
+  config = quickstart()
+  config.data.generator.blanks_range = (3.0, float("inf"))
+  with pytest.raises(ValueError) as error:
+    specs.validate(config)
+  assert_names(error.value, "data.generator.blanks_range[1]")
+
+
+# ---------------------------------------------------------------------------
+# The character tokenizer's alphabet and the task.
+# ---------------------------------------------------------------------------
+
+
+def test_an_alphabet_that_cannot_spell_the_answers_is_refused():
+  with pytest.raises(ValueError) as error:
+    specs.validate(quickstart(**{"tokenizer.alphabet": "0123<>/answer"}))
+  assert_names(error.value, "tokenizer.alphabet")
+  assert "'4'" in str(error.value)  # Sudoku solutions use the digits 1-4; '4' is missing.
+  # Countdown's answers are arithmetic: the quickstart's sudoku alphabet has no operators.
+  countdown = {"task.name": "countdown", "data.generator": ml_collections.ConfigDict()}
+  with pytest.raises(ValueError, match=r"cannot encode '\(\)\*\+-'") as error:
+    specs.validate(quickstart(**countdown))
+  assert_names(error.value, "tokenizer.alphabet")
+  specs.validate(quickstart(**countdown, **{"tokenizer.alphabet": ""}))  # The default passes.
+  # The sudoku generator's option, left on a countdown run: named before any data is made.
+  with pytest.raises(ValueError, match="blanks_range") as error:
+    specs.validate(quickstart(**{"task.name": "countdown"}))
+  assert_names(error.value, "data.generator")
+
+
+def test_check_alphabet_on_hand_made_examples():
+  task = tasks.get_task("sudoku")
+  tokenizer = tokenizers.CharTokenizer("<>/answer12")
+  data.check_alphabet(tokenizer, task, [tasks.Example("q", "12", reference="12"),
+                                        tasks.Example("q", None)])  # No reference: skipped.
+  with pytest.raises(ValueError, match=r"cannot encode '3'.*'<answer>13</answer>'"):
+    data.check_alphabet(tokenizer, task, [tasks.Example("q", "12", reference="12"),
+                                          tasks.Example("q", "13", reference="13")])
+
+
+def test_a_repeated_alphabet_and_an_unknown_task_name_their_field():
+  with pytest.raises(ValueError, match="repeats '0'") as error:
+    specs.validate(quickstart(**{"tokenizer.alphabet": "0012"}))
+  assert_names(error.value, "tokenizer.alphabet")
+  with pytest.raises(ValueError, match="'chess' is not a registered task") as error:
+    specs.validate(quickstart(**{"task.name": "chess"}))
+  assert_names(error.value, "task.name")
+
+
+# ---------------------------------------------------------------------------
+# Field and file names on the command line.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag,field,guess", [
+    ("--config.rollout.temprature=0.5", "rollout.temprature", "rollout.temperature"),
+    ("--config.temperature=0.5", "temperature", "rollout.temperature"),
+    ("--noconfig.model.remt", "model.remt", "model.remat"),
+    ("--config.model.overrides.d_modle=32", "model.overrides.d_modle", "model.overrides.d_model"),
+    ("--config.optimizer.learning_rte=1e-4", "optimizer.learning_rte", "optimizer.learning_rate"),
+])
+def test_an_unknown_field_is_named_with_the_closest_one(flag, field, guess):
+  with pytest.raises(ValueError) as error:
+    config_lib.check_config_flags(["--config", QUICKSTART, flag])
+  assert_names(error.value, field)
+  assert str(error.value).endswith(f"did you mean config.{guess}?")
+
+
+def test_known_fields_and_other_flags_pass():
+  config_lib.check_config_flags(
+      ["--config=" + QUICKSTART, "--config.rollout.temperature=0.5", "--noconfig.model.remat",
+       "--config.model.overrides.d_model", "32", "--workdir", "/tmp/x", "--verbose"])
+  config_lib.check_config_flags(["--workdir", "/tmp/x"])  # absl reports the missing --config.
+  with pytest.raises(ValueError, match=r"^config\.seed\.x: config\.seed is a value \(int\)"):
+    config_lib.check_config_flags(["--config", QUICKSTART, "--config.seed.x=1"])
+
+
+def test_a_missing_or_broken_config_file_is_named(tmp_path):
+  missing = str(REPO / "configs" / "quickstrat.py")
+  with pytest.raises(FileNotFoundError) as error:
+    config_lib.check_config_flags(["--config", missing])
+  assert str(error.value) == (f"--config {missing!r}: no such file; did you mean "
+                              f"{REPO / 'configs' / 'quickstart.py'}?")
+  broken = tmp_path / "broken.py"
+  broken.write_text("def get_config():\n  return undefined_name\n")
+  with pytest.raises(ValueError, match=rf"^--config {broken}: get_config\(\) raised NameError"):
+    config_lib.check_config_flags(["--config", str(broken)])
+  with_arg = tmp_path / "with_arg.py"
+  with_arg.write_text("from stabledrl_jax.training import config_lib\n"
+                      "def get_config(arg):\n  c = config_lib.base_config()\n"
+                      "  c.task.name = arg\n  return c\n")
+  config_lib.check_config_flags([f"--config={with_arg}:countdown", "--config.task.name=x"])
+
+
+def _train(*args, workdir):
+  return subprocess.run(
+      [sys.executable, "-m", "stabledrl_jax.train", *args, "--workdir", str(workdir)],
+      capture_output=True, text=True, timeout=300, cwd=REPO,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_the_cli_gives_one_line_and_writes_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  cases = [
+      (["--config", "quickstart", "--config.rollout.temprature=0.5"],
+       "error: config.rollout.temprature: no such field (config.rollout has no 'temprature'); "
+       "did you mean config.rollout.temperature?"),
+      (["--config", str(tmp_path / "nowhere.py")], f"error: --config '{tmp_path}/nowhere.py': "),
+      (["--config", "quickstart", "--config.seed=-1"], "error: config.seed: must be an integer"),
+      (["--config", "quickstart", "--config.optimizer.b1=nan"],
+       "error: config.optimizer.b1: must be a finite number, got nan"),
+  ]
+  for args, start in cases:
+    out = _train(*args, workdir=workdir)
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(start), out.stderr
+    assert not workdir.exists()  # Validation runs before anything is written.
+  verbose = _train("--config", "quickstart", "--config.rollout.temprature=0.5", "--verbose",
+                   workdir=workdir)
+  assert verbose.returncode == 1 and "Traceback" in verbose.stderr
