@@ -201,9 +201,6 @@ def resolve_config_flag(argv: list[str]) -> list[str]:
   return argv
 
 
-def get(name_or_path: str) -> ml_collections.ConfigDict:
-  """A shipped config by name (``get("quickstart")``) or a config file by path."""
-  return from_file(config_path(name_or_path))
 def _close(word: str, choices: list[str]) -> str | None:
   matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
   return matches[0] if matches else None
@@ -289,6 +286,9 @@ def check_config_flags(argv: list[str]) -> None:
         check_field(config, name[len(flag):])
 
 
+def get(name_or_path: str) -> ml_collections.ConfigDict:
+  """A shipped config by name (``get("quickstart")``) or a config file by path."""
+  return from_file(config_path(name_or_path))
 
 
 def from_file(path: str | os.PathLike[str], arg: str | None = None

@@ -233,19 +233,19 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Famil
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
   """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
+  _numbers(config)
   name = config.objective.name
   _require(name in losses.objective_names(), "objective.name",
            f"{name!r} is not one of {losses.objective_names()}")
-  family, named = _validate_model(config)
-  _numbers(config)
-  r = config.rollout
-  for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
-                "block_length"):
   if config.tokenizer.kind == "char":  # Before the model, whose vocabulary is the alphabet's.
     try:
       data.make_tokenizer(config.tokenizer)
     except ValueError as err:
       raise ValueError(f"config.tokenizer.alphabet: {err}") from None
+  family, named = _validate_model(config)
+  r = config.rollout
+  for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
+                "block_length"):
     _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
              f"must be a positive integer, got {r[field]!r}")
   if named is not None:  # A checkpoint's layout is checked when it is loaded.
@@ -323,11 +323,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   kinds = ("char",) + family_lib.names()
   _require(config.tokenizer.kind in kinds, "tokenizer.kind",
            f"{config.tokenizer.kind!r} is not one of {kinds} ('char' or a model family)")
+  _validate_task_data(config)
   if num_devices is not None:
     from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
     try:
       sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
-  _validate_task_data(config)
     except ValueError as err:
       raise ValueError(str(err)) from None
     ways = sizes["data"] * sizes["fsdp"]
@@ -348,10 +348,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                f"{config.sft.batch_size} does not split over data x fsdp = {ways} devices")
 
 
-def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Family) -> None:
-  settings = estimator_settings(config)
-  likelihood = family.likelihood
-  method, methods = settings["method"], likelihood.methods()
 def _validate_task_data(config: ml_collections.ConfigDict) -> None:
   """task.name is registered, and a character tokenizer's alphabet spells the answers of the
   synthetic examples (``data.check_alphabet``; a dataset's are checked once it is loaded)."""
@@ -373,6 +369,10 @@ def _validate_task_data(config: ml_collections.ConfigDict) -> None:
     data.check_alphabet(tokenizer, task, examples)
 
 
+def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Family) -> None:
+  settings = estimator_settings(config)
+  likelihood = family.likelihood
+  method, methods = settings["method"], likelihood.methods()
   _require(method in methods, "estimator.method",
            f"{method!r} is not one of {methods} (model.family={family.name!r})")
   if token_level(config):
