@@ -14,6 +14,8 @@ HOST:PORT --num_processes N --process_id I``. SIGTERM saves a checkpoint at the 
 boundary and exits 0.
 """
 
+import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -43,6 +45,13 @@ def main(argv):
     multihost.initialize_from_flags()
     from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
     trainer.train(_CONFIG.value, _WORKDIR.value)
+  except KeyboardInterrupt:
+    # A second Ctrl-C (the trainer has released the workdir): exit now, skipping the
+    # interpreter's teardown, which would free XLA's client under a compilation still running on
+    # XLA's threads (a segmentation fault; docs/reliability.md).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
   except (ValueError, FileNotFoundError, NotImplementedError, ImportError, RuntimeError) as error:
     if _VERBOSE.value:
       raise

@@ -759,3 +759,79 @@ def test_cached_rollouts_train_and_evaluation_stays_exact(tmp_path, monkeypatch)
     specs.validate(sweep.with_overrides(config, {"model.family": "sdar"}))
   with pytest.raises(ValueError, match=r"config\.rollout\.cache: 'full'"):
     specs.validate(sweep.with_overrides(config, {"rollout.cache": "full"}))
+
+
+def _start_and_signal(workdir, signals, flags, env):
+  """Starts the CLI on ``workdir``; once it prints ``sft step 0`` sends ``signals`` (0.2 s
+  apart). Returns (exit code, output)."""
+  process = subprocess.Popen(_cli(workdir, *flags), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  lines = []
+  try:
+    for line in process.stdout:
+      lines.append(line)
+      if line.startswith("sft step 0"):
+        for signum in signals:
+          process.send_signal(signum)
+          time.sleep(0.2)
+        break
+    lines.append(process.stdout.read())
+    return process.wait(timeout=300), "".join(lines)
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+
+
+SFT_STOP_FLAGS = (*TINY_FLAGS[:-1], "--config.sft.num_steps=60", "--config.train.num_steps=1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_supervised_start_saves_it_and_the_rerun_continues(tmp_path,
+                                                                               signum):
+  """SIGTERM or Ctrl-C during the supervised start: its progress is saved at the next step and
+  the run exits 0, releasing the workdir; the rerun continues from that step (it does not
+  start again) and fits the start an uninterrupted run fits."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  workdir = tmp_path / "stopped"
+  code, out = _start_and_signal(workdir, [signum], SFT_STOP_FLAGS, env)
+  assert code == 0, out
+  saved = checkpointing.Checkpointer(workdir, read_only=True, subdir=trainer.SFT_PROGRESS_DIR)
+  steps = saved.all_steps()
+  saved.close()
+  assert len(steps) == 1 and 1 <= steps[0] < 60, (steps, out)
+  assert f"saved the supervised start's step {steps[0]} of 60" in out
+  assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
+  assert not (workdir / trainer.SFT_DIR).exists()
+
+  rerun = subprocess.run(_cli(workdir, *SFT_STOP_FLAGS), env=env, capture_output=True,
+                         text=True, timeout=600)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert f"continuing the supervised start from step {steps[0]}" in rerun.stderr
+  assert "sft step 0:" not in rerun.stdout  # Continued, not started again.
+  assert not (workdir / trainer.SFT_PROGRESS_DIR).exists()
+  assert [r["step"] for r in metrics_writer.read_metrics(str(workdir / "metrics.jsonl"))] == [1]
+
+  # The reference: the same supervised start, never interrupted, in this process.
+  reference = tmp_path / "reference"
+  trainer.train(tiny_config(**{"sft.num_steps": 60, "train.num_steps": 0}), str(reference))
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  got = load_file(str(workdir / trainer.SFT_DIR / "model.safetensors"))
+  want = load_file(str(reference / trainer.SFT_DIR / "model.safetensors"))
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], atol=1e-6, rtol=0, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_the_supervised_start_stops_at_once_and_cleanly(tmp_path):
+  """Two Ctrl-Cs: the run stops without saving, exit code 130 (not a segmentation fault from
+  XLA's threads outliving the interpreter), the workdir released; a rerun fits from step 0."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  workdir = tmp_path / "aborted"
+  code, out = _start_and_signal(workdir, [signal.SIGINT, signal.SIGINT], SFT_STOP_FLAGS, env)
+  assert code == 128 + signal.SIGINT, out
+  assert "Interrupted again" in out and "Segmentation fault" not in out, out
+  assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
+  assert not (workdir / trainer.SFT_DIR).exists()

@@ -13,10 +13,13 @@ shards and agrees on completion.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import json
 import os
 import socket
+import stat
 import time
 from typing import Any
 
@@ -31,6 +34,24 @@ CHECKPOINT_DIR = "checkpoints"
 # Checkpoints that could not be restored are moved here (beside checkpoints/, out of orbax's
 # sight), not deleted: the evidence stays.
 DAMAGED_DIR = "checkpoints_damaged"
+
+
+class WorkdirError(RuntimeError):
+  """A file of the workdir cannot be written (read-only, full disk, a directory in the way);
+  the message, one line, names the file."""
+
+
+@contextlib.contextmanager
+def writing(path: epath.PathLike):
+  """Turns an ``OSError`` (a full disk, no permission) into a ``WorkdirError`` naming ``path``:
+  a failed write without a file name, or deep in a library, still says which file it was."""
+  try:
+    yield
+  except OSError as error:
+    reason = error.strerror or str(error) or type(error).__name__
+    if error.errno == errno.ENOSPC:
+      reason = "no space left on the device"
+    raise WorkdirError(f"cannot write {path}: {reason}") from error
 
 
 def _use_distributed_barriers() -> None:
@@ -78,8 +99,8 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: epath.PathLike, *, max_to_keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
-    self.directory = resolve_workdir(workdir) / CHECKPOINT_DIR
+               read_only: bool = False, subdir: str = CHECKPOINT_DIR):
+    self.directory = resolve_workdir(workdir) / subdir
     if jax.process_count() > 1:
       _use_distributed_barriers()
     if read_only:
@@ -89,7 +110,8 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                              enable_async_checkpointing=async_save,
                                              cleanup_tmp_directories=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    with writing(self.directory):
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -98,9 +120,14 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Starts saving (returns before the write completes when asynchronous)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    """Starts saving (returns before the write completes when asynchronous).
+
+    Raises:
+      WorkdirError: this save, or the asynchronous one before it, could not be written.
+    """
+    with writing(self.directory / str(step)):
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """The state (placed like ``abstract_state``: shapes, dtypes, shardings) and meta of ``step``."""
@@ -152,11 +179,15 @@ class Checkpointer:
     return restored["state"]["params"]
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Until the saves in flight are written (``WorkdirError`` if one could not be)."""
+    with writing(self.directory):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
 
 
 def abstract_like(tree: Any) -> Any:
@@ -215,6 +246,11 @@ class WorkdirLock:
   A second trainer on the same workdir is refused while the owner lives: on this host its pid
   is checked; on another host the lock counts as live until it is ``stale_after_s`` old (the
   owner touches it every step). A lock of a dead process is taken over with a warning.
+
+  The lock is written into a new file of the workdir that then replaces ``LOCK`` (atomically,
+  locally): a ``LOCK`` that is a symbolic link is replaced, never followed, so nothing outside
+  the workdir is read or written. A ``LOCK`` that is a directory, or a workdir that cannot be
+  written, is a ``WorkdirError`` naming the path.
   """
 
   NAME = "LOCK"
@@ -222,21 +258,67 @@ class WorkdirLock:
   def __init__(self, workdir: epath.PathLike, *, stale_after_s: float = 3600.0):
     self.path = epath.Path(workdir) / self.NAME
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-    if self.path.exists():
-      try:
-        owner = json.loads(self.path.read_text())
-      except (OSError, ValueError):
-        owner = {}
-      if owner and (owner.get("pid"), owner.get("host")) != (me["pid"], me["host"]):
-        if self._alive(owner, me, stale_after_s):
-          raise RuntimeError(
-              f"workdir {workdir} is in use by process {owner.get('pid')} on host "
-              f"{owner.get('host')!r} (started {time.ctime(owner.get('started', 0))}). Stop it "
-              f"or choose another --workdir; if no trainer runs there, delete {self.path}.")
-        logging.warning("taking over the stale lock of process %s on %s (%s)",
-                        owner.get("pid"), owner.get("host"), self.path)
-    self.path.write_text(json.dumps(me))
+    owner = self._read()
+    if owner and (owner.get("pid"), owner.get("host")) != (me["pid"], me["host"]):
+      if self._alive(owner, me, stale_after_s):
+        raise RuntimeError(
+            f"workdir {workdir} is in use by process {owner.get('pid')} on host "
+            f"{owner.get('host')!r} (started {time.ctime(owner.get('started', 0))}). Stop it "
+            f"or choose another --workdir; if no trainer runs there, delete {self.path}.")
+      logging.warning("taking over the stale lock of process %s on %s (%s)",
+                      owner.get("pid"), owner.get("host"), self.path)
     self._me = me
+    self._write()
+
+  def _read(self) -> dict[str, Any]:
+    """The owner recorded in ``LOCK`` ({} if there is none, or it is not a lock)."""
+    if not is_local(self.path):
+      if not self.path.exists():
+        return {}
+      try:
+        return json.loads(self.path.read_text())
+      except (OSError, ValueError):
+        return {}
+    try:
+      info = os.lstat(self.path)
+    except FileNotFoundError:
+      return {}
+    except OSError as error:
+      raise WorkdirError(f"cannot read the workdir lock {self.path}: {error.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+      raise WorkdirError(f"the workdir lock {self.path} is a directory, not a file: remove it "
+                         "(no trainer makes it)")
+    if stat.S_ISLNK(info.st_mode):  # Not one of ours: replaced, never followed.
+      logging.warning("the workdir lock %s is a symbolic link (to %s); replacing the link with "
+                      "a lock file", self.path, os.readlink(self.path))
+      return {}
+    try:
+      fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+      with os.fdopen(fd) as file:
+        owner = json.loads(file.read())
+    except (OSError, ValueError):
+      return {}
+    return owner if isinstance(owner, dict) else {}
+
+  def _write(self) -> None:
+    """``LOCK`` holds ``self._me``: a new file in the workdir renamed over it (over a symbolic
+    link, not through it)."""
+    text = json.dumps(self._me)
+    with writing(self.path):
+      if not is_local(self.path):
+        self.path.write_text(text)
+        return
+      staging = f"{self.path}.{os.getpid()}.tmp"
+      try:
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                     | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "w") as file:
+          file.write(text)
+        os.replace(staging, self.path)
+      except BaseException:
+        with contextlib.suppress(OSError):
+          os.unlink(staging)
+        raise
 
   def _alive(self, owner: dict[str, Any], me: dict[str, Any], stale_after_s: float) -> bool:
     if owner.get("host") == me["host"]:
@@ -255,8 +337,14 @@ class WorkdirLock:
 
   def touch(self) -> None:
     """Marks the owner alive (for trainers on other hosts)."""
-    self.path.write_text(json.dumps(self._me))
+    self._write()
 
   def release(self) -> None:
-    if self.path.exists():
-      self.path.unlink()
+    """Removes ``LOCK`` (a link in its place included; never what a link points to)."""
+    if not is_local(self.path):
+      if self.path.exists():
+        self.path.unlink()
+      return
+    with contextlib.suppress(FileNotFoundError):
+      if not os.path.isdir(self.path) or os.path.islink(self.path):
+        os.unlink(self.path)

@@ -60,29 +60,43 @@ def _sft_step(model, optimizer, tokens, prompt_mask, completion_mask, key, *, ma
   return loss
 
 
+def make_optimizer(model: nnx.Module, *, num_steps: int, learning_rate: float) -> nnx.Optimizer:
+  """``fit``'s optimizer: AdamW with a warmup and a cosine decay from ``learning_rate``."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, num_steps // 10),
+                                                num_steps, learning_rate * 0.05)
+  return nnx.Optimizer(model, optax.adamw(schedule, b2=0.99, weight_decay=0.01), wrt=nnx.Param)
+
+
 def fit(model: nnx.Module, sample_batch: Callable[[int], tuple[np.ndarray, np.ndarray,
                                                                  np.ndarray]], *,
         num_steps: int, learning_rate: float, seed: int, mask_id: int,
         log: Callable[[int, dict[str, Any]], None] | None = None,
         log_every: int = 100,
-        place: Callable[[np.ndarray], Array] = jnp.asarray) -> nnx.Module:
+        place: Callable[[np.ndarray], Array] = jnp.asarray,
+        optimizer: nnx.Optimizer | None = None, start_step: int = 0,
+        stop: Callable[[int], bool] | None = None) -> nnx.Module:
   """Fits ``model`` in place; ``sample_batch(step) -> (tokens, prompt_mask, completion_mask)``.
 
-  AdamW with a cosine decay from ``learning_rate``; deterministic given ``seed``
-  and ``sample_batch``. ``place`` puts a host batch on the devices (the trainer splits its
-  rows over the mesh; with several processes every process passes the same batch).
+  AdamW with a cosine decay from ``learning_rate`` (``make_optimizer``); deterministic given
+  ``seed`` and ``sample_batch``. ``place`` puts a host batch on the devices (the trainer splits
+  its rows over the mesh; with several processes every process passes the same batch).
+
+  A resumed fit passes the ``optimizer`` (``make_optimizer``'s, restored) and the ``start_step``
+  it reached, and ``sample_batch`` continues where it was: the result is the uninterrupted fit's.
+  ``stop(done)``, asked after each step with the number of steps done, ends the fit early when
+  it returns True (a signal: the caller saves the progress).
   """
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, num_steps // 10),
-                                                num_steps, learning_rate * 0.05)
-  optimizer = nnx.Optimizer(model, optax.adamw(schedule, b2=0.99, weight_decay=0.01),
-                            wrt=nnx.Param)
+  if optimizer is None:
+    optimizer = make_optimizer(model, num_steps=num_steps, learning_rate=learning_rate)
   key = jax.random.key(seed)
   start = time.perf_counter()
-  for step in range(num_steps):
+  for step in range(start_step, num_steps):
     tokens, prompt_mask, completion_mask = sample_batch(step)
     loss = _sft_step(model, optimizer, place(tokens), place(prompt_mask),
                      place(completion_mask), jax.random.fold_in(key, step),
                      mask_id=mask_id)
     if log is not None and (step % log_every == 0 or step == num_steps - 1):
       log(step, {"sft/loss": float(loss), "sft/elapsed_s": time.perf_counter() - start})
+    if stop is not None and step + 1 < num_steps and stop(step + 1):
+      break
   return model

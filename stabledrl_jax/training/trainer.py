@@ -58,6 +58,8 @@ from stabledrl_jax.training import optimizer as optimizer_lib
 from stabledrl_jax.training import reward_pool, rl_loss, spikes, supervised, train_step
 
 SFT_DIR = "sft_model"
+# A stopped supervised start's parameters, optimizer state and step (orbax), until it finishes.
+SFT_PROGRESS_DIR = "sft_progress"
 # Folded into the step key for the stress selection, so that the other keys stay as they were.
 _STRESS_KEY = 0x57e55
 
@@ -104,16 +106,28 @@ def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: st
   return model
 
 
+class Stopped(Exception):
+  """A signal stopped the supervised start; its progress is saved (``SFT_PROGRESS_DIR``)."""
+
+
 def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.PathLike,
                      model: nnx.Module, tokenizer, task: tasks.Task, train_examples, mesh,
-                     log) -> nnx.Module:
+                     log, stop=None) -> nnx.Module:
   """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``.
 
   Every process fits on the same batches (each device gets its rows); process 0 writes the
   result.
+
+  ``stop(done)`` is asked at each step boundary (``supervised.fit``); when it says so (a
+  SIGTERM or SIGINT), the parameters, the optimizer state, the step and the batch generator's
+  state are saved in ``<workdir>/sft_progress`` and ``Stopped`` is raised. The next run
+  continues from there: its start is the uninterrupted fit's (docs/reliability.md).
   """
   path = epath.Path(workdir) / SFT_DIR
+  progress_dir = epath.Path(workdir) / SFT_PROGRESS_DIR
   if (path / "config.json").exists():
+    if multihost.is_primary() and progress_dir.exists():  # A stop after the fit was written.
+      progress_dir.rmtree()
     return _check_loaded(config, _load_pretrained(path, mesh, config), path)
   rollout = config.rollout
   rng = np.random.default_rng(config.seed)
@@ -133,31 +147,89 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
                                                                                  bool)], axis=1)
     return tokens, prompt_mask, completion_mask
 
-  rows = models.batch_sharding(mesh, ndim=1)
-  supervised.fit(model, sample_batch, num_steps=config.sft.num_steps,
-                 learning_rate=config.sft.learning_rate, seed=config.seed,
-                 mask_id=model.config.mask_token_id, log=log,
-                 place=lambda x: jax.device_put(x, rows))
+  num_steps = config.sft.num_steps
+  optimizer = supervised.make_optimizer(model, num_steps=num_steps,
+                                        learning_rate=config.sft.learning_rate)
+  progress = checkpointing.Checkpointer(workdir, subdir=SFT_PROGRESS_DIR, max_to_keep=1,
+                                        async_save=False)
+  identity = {"sft": config.sft.to_dict(), "seed": config.seed}
+  done, stopped = [0], [False]
+  try:
+    latest = progress.latest_step()
+    if latest is not None:
+      where = f"{progress.directory}/{latest}"
+      saved = progress.restore_meta(latest)
+      checkpointing.check_resume(config, saved.get("config", {}), where)
+      if saved.get("identity") != json.loads(json.dumps(identity)):
+        raise ValueError(f"config does not match {where}: the supervised start's settings "
+                         f"(sft.*, seed) were {saved.get('identity')}. Resume with them, or "
+                         f"delete {progress.directory} to fit the start anew.")
+      state, meta = progress.restore(latest, checkpointing.abstract_like(
+          _sft_state(model, optimizer)))
+      nnx.update(model, state["params"])
+      nnx.update(optimizer, state["optimizer"])
+      rng.bit_generator.state = meta["rng"]
+      done[0] = int(meta["step"])
+      if multihost.is_primary():
+        logging.warning("continuing the supervised start from step %d (%s)", done[0], where)
+
+    def asked_to_stop(step):
+      done[0], stopped[0] = step, stop is not None and stop(step)
+      return stopped[0]
+
+    rows = models.batch_sharding(mesh, ndim=1)
+    supervised.fit(model, sample_batch, num_steps=num_steps,
+                   learning_rate=config.sft.learning_rate, seed=config.seed,
+                   mask_id=model.config.mask_token_id, log=log,
+                   place=lambda x: jax.device_put(x, rows), optimizer=optimizer,
+                   start_step=done[0], stop=asked_to_stop)
+    if stopped[0]:
+      progress.save(done[0], _sft_state(model, optimizer), {
+          "step": done[0], "rng": rng.bit_generator.state, "identity": identity,
+          "config": json.loads(config.to_json_best_effort())})
+      progress.wait()
+      raise Stopped(f"Stopped by a signal: saved the supervised start's step {done[0]} of "
+                    f"{num_steps} in {progress.directory}; rerun the same command to continue")
+  finally:
+    progress.close()
   _save_pretrained(model, path, mesh)
+  if multihost.is_primary() and progress_dir.exists():
+    progress_dir.rmtree()
+  multihost.sync("stabledrl_jax: supervised progress removed")
   return model
+
+
+def _sft_state(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+  """What a stopped supervised start saves: the parameters and the optimizer's state (its
+  step and AdamW's moments), as pytrees of arrays."""
+  return {"params": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
 
 
 def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
   """Process 0 writes ``model`` to ``path`` (local or remote), through a temporary directory
-  renamed at the end: a kill mid-save must not leave a torn start."""
+  renamed at the end: a kill mid-save must not leave a torn start, and a failed save (a full
+  disk) removes its temporary directory and raises ``WorkdirError`` naming ``path``."""
   if jax.process_count() > 1:  # Every process's shards, replicated, so process 0 can read them.
     graphdef, state = nnx.split(model)
     state = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec()))(state)
     model = nnx.merge(graphdef, state)
   if multihost.is_primary():
-    with tempfile.TemporaryDirectory() as local:
-      models.save_pretrained(model, local)
-      staging = path.parent / (path.name + ".tmp")
-      if staging.exists():
-        staging.rmtree()
-      _copy_files(epath.Path(local), staging)
-      staging.rename(path)
+    staging = path.parent / (path.name + ".tmp")
+    try:
+      with checkpointing.writing(path), tempfile.TemporaryDirectory() as local:
+        models.save_pretrained(model, local)
+        if staging.exists():
+          staging.rmtree()
+        _copy_files(epath.Path(local), staging)
+        staging.rename(path)
+    except BaseException:
+      try:
+        if staging.exists():
+          staging.rmtree()
+      except OSError:
+        pass
+      raise
   multihost.sync("stabledrl_jax: supervised start written")
 
 
@@ -244,15 +316,30 @@ class Trainer:
     self.workdir = checkpointing.resolve_workdir(workdir)
     self.primary = multihost.is_primary()
     self.lock = None
+    # Why a signal stopped the build (the supervised start saved its progress), else ''.
+    self.stopped = ""
+    self.writer = None
     if self.primary:
-      self.workdir.mkdir(parents=True, exist_ok=True)
+      with checkpointing.writing(self.workdir):
+        self.workdir.mkdir(parents=True, exist_ok=True)
       self.lock = checkpointing.WorkdirLock(self.workdir)  # Refuses a second trainer.
+    # From here SIGTERM and SIGINT stop at the next step boundary, the supervised start's ones
+    # included; the handlers are restored after the build and installed again by ``run``.
+    self.watcher = PreemptionWatcher(on_abort=self._release_lock)
     try:
       self._build(config)
+    except Stopped as stop:
+      self.stopped = str(stop)
     except BaseException:
-      if self.lock is not None:
-        self.lock.release()
+      self._release_lock()
       raise
+    finally:
+      self.watcher.uninstall()
+
+  def _release_lock(self) -> None:
+    if self.lock is not None:
+      self.lock.release()
+      self.lock = None
 
   def _build(self, config: ml_collections.ConfigDict) -> None:
     self.mesh = mesh_lib.make_mesh(config.mesh)
@@ -282,7 +369,8 @@ class Trainer:
     if config.sft.num_steps and not config.model.checkpoint:
       if latest is None:
         model = supervised_start(config, self.workdir, model, self.tokenizer, self.task,
-                                 self.train_examples, self.mesh, self._log_sft)
+                                 self.train_examples, self.mesh, self._log_sft,
+                                 stop=self.watcher.reached)
       # On resume the checkpoint holds the parameters; the SFT start is not needed.
     self.model_config = model.config
     self.graphdef, params = nnx.split(model, nnx.Param)
@@ -306,7 +394,8 @@ class Trainer:
       self.start_step = int(state.step)
     self.state = state
     if self.primary:  # Only now: a failed resume leaves the workdir as it was.
-      (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+      with checkpointing.writing(self.workdir / "config.json"):
+        (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
     self.spec = specs.likelihood_spec(config, self.model_config)
     self.spec_settings = specs.estimator_settings(config)
@@ -642,7 +731,36 @@ class Trainer:
 
   def run(self) -> list[dict[str, Any]]:
     """Trains from the latest checkpoint (or the start) to ``train.num_steps``, or until a
-    SIGTERM, which saves at the next step boundary."""
+    SIGTERM or SIGINT, which saves at the next step boundary.
+
+    Raises:
+      TooManySkipsError: ``train.max_consecutive_skips`` skipped updates in a row; or a run
+        that ended (not stopped by a signal) with every one of its steps skipping an update, or
+        with no checkpoint at all: its result is not a trained model.
+    """
+    config = self.config
+    if self.stopped:  # The supervised start was stopped by a signal and saved.
+      if self.primary:
+        logging.warning(self.stopped)
+      self.close()
+      return []
+    history = []
+    watcher = self.watcher
+    watcher.install()
+    try:
+      # A signal during the build (after the supervised start): stop before the first step.
+      if self.start_step < config.train.num_steps and watcher.reached():
+        if self.primary:
+          logging.warning("Stopped by a signal before the first step; rerun the same command "
+                          "to continue")
+        return history
+      history = self._loop(watcher)
+    finally:
+      watcher.close()
+      self.close()
+    return history
+
+  def _loop(self, watcher: PreemptionWatcher) -> list[dict[str, Any]]:
     config = self.config
     history = []
     eval_key = jax.random.key(config.seed + 1)
@@ -652,17 +770,22 @@ class Trainer:
     progress = tqdm.tqdm(range(self.start_step, config.train.num_steps),
                          initial=self.start_step, total=config.train.num_steps,
                          desc="RL", dynamic_ncols=True, disable=not self.primary)
-    watcher = PreemptionWatcher()
     last_save = time.monotonic()
+    skipped_steps = 0  # Steps of this invocation that skipped every update.
+    preempted = False
     try:
       for step in progress:
+        skipped_before = int(self.state.skipped_steps)
         metrics = self.rl_step(step)
+        skipped_steps += (int(self.state.skipped_steps) - skipped_before
+                          == config.train.num_iterations)
         done = step + 1
         if every and (done % every == 0 or done == config.train.num_steps):
           metrics.update(self.evaluate(self.state.params, eval_key))
         self._write(done, metrics)
         if self.writer is not None and self.samples:
-          self.writer.write_samples(done, self.samples)
+          with checkpointing.writing(self.workdir / "samples"):
+            self.writer.write_samples(done, self.samples)
         history.append({"step": done, **metrics})
         progress.set_postfix(reward=f"{metrics['rewards/mean']:.3f}",
                              step_s=f"{metrics['time/step_s']:.2f}")
@@ -674,9 +797,7 @@ class Trainer:
           raise TooManySkipsError(
               f"{int(self.state.consecutive_skips)} consecutive updates were skipped (a "
               f"non-finite loss, gradient, update or parameters; step {done}); stopping. "
-              + (f"The last good checkpoint is step {last} in {self.checkpointer.directory}."
-                 if last is not None else "No checkpoint was written: every saved state must "
-                 "pass that check, and none did."))
+              + self._last_checkpoint(last))
         preempted = watcher.reached(done)
         due = done % config.checkpoint.every_steps == 0 or done == config.train.num_steps
         if config.checkpoint.every_seconds:  # Clocks differ: process 0 decides for all.
@@ -696,25 +817,41 @@ class Trainer:
                             self.checkpointer.directory)
           break
     finally:
-      watcher.close()
       progress.close()
-      self.close()
+    ran = len(history)
+    if ran and not preempted:
+      self.checkpointer.wait()
+      last = self.checkpointer.latest_step()
+      if skipped_steps == ran or last is None:
+        what = (f"all {ran} steps of this run skipped every update" if skipped_steps == ran else
+                f"no step of its {ran} was saved (a step that skips an update is not)")
+        raise TooManySkipsError(
+            f"the run ended at step {history[-1]['step']}, but {what} (a non-finite loss, "
+            "gradient, update or parameters; fewer in a row than train.max_consecutive_skips="
+            f"{config.train.max_consecutive_skips}): nothing was trained. "
+            + self._last_checkpoint(last))
     return history
+
+  def _last_checkpoint(self, last: int | None) -> str:
+    return (f"The last good checkpoint is step {last} in {self.checkpointer.directory}."
+            if last is not None else "No checkpoint was written: every saved state must pass "
+            "that check, and none did.")
 
   def close(self) -> None:
     """Finishes the saves in flight, closes the writers and the reward pool, and releases the
     workdir (``run`` does this when it ends)."""
-    self.checkpointer.close()
-    self.scorer.close()
-    if self.writer is not None:
-      self.writer.close()
-    if self.lock is not None:  # Last: the saves above have finished.
-      self.lock.release()
-      self.lock = None
+    try:
+      self.checkpointer.close()
+    finally:
+      self.scorer.close()
+      if self.writer is not None:
+        self.writer.close()
+      self._release_lock()  # Last: the saves above have finished (or failed).
 
   def _write(self, step: int, metrics: dict[str, Any]) -> None:
     if self.writer is not None:
-      self.writer.write(step, metrics)
+      with checkpointing.writing(self.workdir / "metrics.jsonl"):
+        self.writer.write(step, metrics)
 
 
 def _ratio_noise(variances: list[float]) -> dict[str, float]:
@@ -732,20 +869,27 @@ def _ratio_noise(variances: list[float]) -> dict[str, float]:
 
 
 class PreemptionWatcher:
-  """Whether a SIGTERM or SIGINT asks the run to stop, agreed by every process at one step.
+  """Whether a SIGTERM or SIGINT asks the run to stop, agreed by every process at one step
+  boundary (of the supervised start or of RL).
 
   SIGTERM (preemption, ``kill``): with several processes ``jax.distributed``'s preemption sync
-  point (its own SIGTERM handler, and on TPUs the maintenance notices), so that all save the
-  same step; one process: a handler that sets a flag. SIGINT (Ctrl-C): a handler that sets a
-  flag (process 0's decides for all); a second SIGINT stops at once (KeyboardInterrupt). The
-  handlers are installed from the main thread only, and restored by ``close``.
+  point (its own SIGTERM handler, and on TPUs the maintenance notices), so that all stop at the
+  same boundary; one process: a handler that sets a flag. SIGINT (Ctrl-C): a handler that sets
+  a flag (process 0's decides for all); a second SIGINT stops at once: ``on_abort`` (the
+  trainer releases its LOCK), then KeyboardInterrupt. The handlers are installed from the main
+  thread only, by ``install``, and restored by ``uninstall``; the flags stay set across.
   """
 
-  def __init__(self):
+  def __init__(self, on_abort=None):
     self._flag = threading.Event()
     self._interrupted = threading.Event()
     self._previous = {}
-    if threading.current_thread() is not threading.main_thread():
+    self._on_abort = on_abort
+    self._boundaries = 0  # The preemption sync point's counter: one per boundary, rising.
+    self.install()
+
+  def install(self) -> None:
+    if self._previous or threading.current_thread() is not threading.main_thread():
       return
     if jax.process_count() == 1:
       self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
@@ -756,21 +900,29 @@ class PreemptionWatcher:
 
   def _on_interrupt(self, *_):
     if self._interrupted.is_set():  # The second Ctrl-C: stop now.
+      print("\nInterrupted again: stopping now, without saving.", file=sys.stderr, flush=True)
+      if self._on_abort is not None:
+        self._on_abort()
       raise KeyboardInterrupt
     self._interrupted.set()
-    print("\nInterrupted: saving a checkpoint at the end of this step (Ctrl-C again to stop "
-          "now).", file=sys.stderr, flush=True)
+    print("\nInterrupted: saving at the end of this step (Ctrl-C again to stop now).",
+          file=sys.stderr, flush=True)
 
-  def reached(self, step: int) -> bool:
+  def reached(self, step: int | None = None) -> bool:
+    """Whether to stop at this boundary (every process must ask at the same boundaries)."""
+    del step  # The sync point counts boundaries: they rise from the supervised start to RL.
+    self._boundaries += 1
     interrupted = multihost.agree(self._interrupted.is_set())
     if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step) or interrupted
+      return multihost_utils.reached_preemption_sync_point(self._boundaries) or interrupted
     return self._flag.is_set() or interrupted
 
-  def close(self) -> None:
+  def uninstall(self) -> None:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     self._previous = {}
+
+  close = uninstall
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | epath.PathLike
