@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -386,6 +387,12 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
     ValueError, FileNotFoundError: bad options, found before any model is loaded when possible.
   """
   # Everything cheap is checked before the model is loaded.
+  if not isinstance(options.limit, int) or options.limit < 0:
+    raise ValueError(f"--limit must be >= 1 (or 0, the default: every example), got "
+                     f"{options.limit}")
+  if not math.isfinite(options.temperature) or options.temperature < 0:
+    raise ValueError(f"--temperature must be finite and >= 0 (0: greedy), got "
+                     f"{options.temperature}")
   names = task_names(options.task)
   sources = data_sources(options.data, names)
   settings = [SamplerSettings.d1(length, steps=options.steps, block_length=options.block_length,
@@ -431,6 +438,10 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if prefix is None:
     prefix = D1_ASSISTANT_PREFIX if hasattr(tokenizer, "chat_prompt") else ""
   style = PromptStyle(with_instruction, prefix, options.prompt_length)
+  if multihost.is_primary():
+    note = guess_note(source, options, style, sources)
+    if note:
+      print(note, file=sys.stderr)
   model_name = options.model_name or model_name_of(source.name)
   # d1's fields: the base model, and what was loaded into it ('' for none).
   metadata = {"model_path": source.path, "checkpoint_path": (
@@ -451,6 +462,31 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
     return None
   output = options.output or os.path.join(options.output_dir, "results.json")
   return scoring.report([options.output_dir], output)
+
+
+def guess_note(source: checkpoint_source.CheckpointSource, options: Options,
+               style: PromptStyle, sources: dict[str, str]) -> str:
+  """The one line that says which prompt style and data a run guessed, for a checkpoint that
+  carries no training config (a plain Hugging Face checkpoint); '' when nothing was guessed."""
+  guessed = []
+  if source.config is None:
+    if options.with_instruction is None:
+      guessed.append(f"with_instruction={style.with_instruction}")
+    if options.assistant_prefix is None:
+      guessed.append(f"assistant_prefix={style.assistant_prefix!r}")
+  for name, data_source in sources.items():
+    if data_source == "synthetic" and (source.config is None
+                                       or source.config.task.name != name):
+      guessed.append(f"{name}=synthetic from the default generator (seed {options.seed})")
+  if not guessed:
+    return ""
+  where = ("carries no training config (no "
+           f"{checkpoint_source.EXPORT_FILE}, not inside a training workdir)"
+           if source.config is None else
+           f"was trained on {source.config.task.name!r}, not on every task evaluated")
+  used = ", ".join(f"{name}={data_source or 'd1-test-set'}"
+                   for name, data_source in sources.items())
+  return f"note: {source.path} {where}; guessed {', '.join(guessed)}; data {used}"
 
 
 def define_flags() -> None:

@@ -14,7 +14,13 @@ gets
   ``model-0000k-of-0000n.safetensors`` files with ``model.safetensors.index.json`` past
   ``--max_shard_size``, in ``--dtype`` (default: float32, lossless),
 * the tokenizer files of the run (tokenizer.json and the configs beside it); a character
-  tokenizer has none, and the export says so.
+  tokenizer has none, and the export says so,
+* ``stabledrl_jax.json``: the run's training config (``checkpoint_source.EXPORT_FILE``), so that
+  ``python -m stabledrl_jax.evaluate`` formats prompts, builds the tokenizer (a character
+  tokenizer's alphabet) and draws synthetic test sets as it does for the workdir: the export and
+  the workdir give the same results. A plain Hugging Face source has no such config, and gets none.
+
+The files get the mode of any newly created file (0666 less the umask).
 
 The official PyTorch code (``trust_remote_code``) and inference servers load the result, and
 ``models.from_pretrained`` reads it back bit for bit. One process: every tensor passes through
@@ -24,7 +30,9 @@ host memory (an 8B model in float32 needs about 32 GB of it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import re
 import shutil
 import sys
@@ -56,6 +64,37 @@ def tokenizer_dir(source) -> str | None:
   return path if os.path.isdir(path) else os.path.dirname(path)
 
 
+def _umask() -> int:
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def _make_readable(directory: str, names: Sequence[str]) -> None:
+  """Gives the files ``names`` of ``directory`` (and its safetensors files) the mode of a newly
+  created file (0666 less the umask): safetensors writes its files 0600, unlike any other
+  checkpoint file."""
+  mode = 0o666 & ~_umask()
+  for name in os.listdir(directory):
+    path = os.path.join(directory, name)
+    if ((name in names or name.endswith(".safetensors")) and os.path.isfile(path)
+        and not os.path.islink(path)):
+      os.chmod(path, mode)
+
+
+def check_output(output: str) -> None:
+  """ValueError naming ``--output`` unless it is, or can be created as, a writable directory
+  (nothing is created here)."""
+  path = pathlib.Path(os.path.abspath(output))
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"--output {output!r} is an existing file, not a directory")
+  ancestor = next(p for p in (path, *path.parents) if p.exists())
+  if not ancestor.is_dir():
+    raise ValueError(f"--output {output!r} cannot be created: {ancestor} is a file")
+  if not os.access(ancestor, os.W_OK | os.X_OK):
+    raise ValueError(f"--output {output!r} is not writable: no write permission on {ancestor}")
+
+
 def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "float32",
            max_shard_bytes: int = 5 * 10**9) -> list[str]:
   """Writes the Hugging Face checkpoint of ``workdir`` (or ``step``) to ``output``.
@@ -70,11 +109,13 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
     raise ValueError(f"--dtype {dtype!r} is not one of {DTYPES}")
   if max_shard_bytes <= 0:
     raise ValueError("--max_shard_size must be positive")
+  check_output(output)
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
 
   from stabledrl_jax import hub, models  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import hf_io  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
@@ -93,6 +134,15 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
       if os.path.isfile(path):
         shutil.copyfile(path, os.path.join(output, name))
         copied.append(name)
+  record = checkpoint_source.export_record(source)
+  record_path = os.path.join(output, checkpoint_source.EXPORT_FILE)
+  if record is not None:
+    with open(record_path, "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+  elif os.path.exists(record_path):  # An earlier export's config would misdescribe this model.
+    os.remove(record_path)
+  _make_readable(output, [hf_io.CONFIG_FILE, hf_io.GENERATION_CONFIG_FILE, hf_io.INDEX_FILE,
+                          checkpoint_source.EXPORT_FILE, *copied])
   return copied
 
 

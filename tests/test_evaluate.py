@@ -464,6 +464,10 @@ def test_bad_options(tmp_path, hf_checkpoint, overrides, message):
     (["--task=chess"], "unknown task 'chess'"),
     (["--task=sudoku", "--gen_lengths=100"], "must be a multiple of block_length"),
     (["--task=sudoku", "--checkpoint=/nonexistent"], "does not exist"),
+    (["--task=sudoku", "--limit=-1"], "--limit must be >= 1 (or 0, the default: every example)"),
+    (["--task=sudoku", "--temperature=nan"], "--temperature must be finite and >= 0"),
+    (["--task=sudoku", "--temperature=inf"], "--temperature must be finite and >= 0"),
+    (["--task=sudoku", "--temperature=-0.5"], "--temperature must be finite and >= 0"),
 ])
 def test_cli_reports_bad_input(tmp_path, argv, message):
   completed = subprocess.run(
@@ -471,6 +475,9 @@ def test_cli_reports_bad_input(tmp_path, argv, message):
        f"--output_dir={tmp_path / 'out'}", *argv],
       cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
   assert completed.returncode == 1 and message in completed.stderr, completed.stderr[-2000:]
+  (line,) = [l for l in completed.stderr.splitlines() if message in l]
+  assert line.startswith("error: ")  # one line, no traceback
+  assert "Traceback" not in completed.stderr
   assert not (tmp_path / "out").exists()
 
 

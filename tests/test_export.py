@@ -1,7 +1,11 @@
 """python -m stabledrl_jax.export: a workdir (or any checkpoint) -> a Hugging Face checkpoint that
-from_pretrained reads back bit for bit, in the official names, with its tokenizer files."""
+from_pretrained reads back bit for bit, in the official names, with its tokenizer files and the
+run's training config, so that it evaluates as the workdir does."""
 
 import json
+import os
+import pathlib
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +15,9 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from stabledrl_jax import export, models
+from stabledrl_jax import evaluate, export, models, tokenizers
 from stabledrl_jax.models import hf_io
-from stabledrl_jax.training import checkpoint_source, mesh as mesh_lib, trainer
+from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, trainer
 
 from test_hub import REPO_ID, _hub_cache
 from test_training import tiny_config
@@ -107,3 +111,111 @@ def test_bad_arguments_are_named(workdir, tmp_path, args, match, capsys):
   with pytest.raises(SystemExit):
     export.main(["--workdir", str(workdir), "--output", str(tmp_path / "x"), *args])
   assert match in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# An export evaluates as its workdir: it carries the run's training config.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """The quickstart at toy size: a short supervised start (sft_model) and one RL step."""
+  path = tmp_path_factory.mktemp("trained") / "quick"
+  trainer.train(tiny_config(**{"sft.num_steps": 20, "train.num_steps": 1,
+                               "train.num_iterations": 1, "data.eval_size": 8}), str(path))
+  return path
+
+
+def _evaluate(checkpoint, output_dir, **overrides):
+  """Greedy evaluation on the synthetic held-out puzzles, with the checkpoint's own tokenizer
+  and prompt style (nothing named on the command line)."""
+  return evaluate.run(evaluate.Options(**{
+      "checkpoint": str(checkpoint), "task": ["sudoku"], "output_dir": str(output_dir),
+      "gen_lengths": [40], "block_length": 40, "steps": 20, "data": ["sudoku=synthetic"],
+      "batch_size": 8, "shard_size": 8, "model_name": "m", **overrides}))
+
+
+def _generations(output_dir):
+  (path,) = pathlib.Path(output_dir).glob("*_generations.json")
+  return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("which", ["workdir", "sft_model"])
+def test_an_export_evaluates_as_its_workdir(trained, tmp_path, which, capsys):
+  """The same results.json, the same puzzles, prompts and completions: the workdir's held-out
+  puzzles (an independent draw of data.make_examples) in its prompt style (no instruction)."""
+  checkpoint = trained if which == "workdir" else trained / trainer.SFT_DIR
+  exported = tmp_path / "exported"
+  export.export(str(checkpoint), str(exported))
+  assert not (exported / "tokenizer.json").exists()  # a character tokenizer: in the config
+  _evaluate(checkpoint, tmp_path / "a")
+  _evaluate(exported, tmp_path / "b", tokenizer=str(trained))  # (the tokenizer aside)
+  assert "note:" not in capsys.readouterr().err  # nothing guessed for either
+  assert (tmp_path / "a" / "results.json").read_text() == (
+      tmp_path / "b" / "results.json").read_text()
+  a, b = _generations(tmp_path / "a"), _generations(tmp_path / "b")
+  assert a["settings"] == b["settings"] and a["settings"]["prompt"]["with_instruction"] is False
+  assert a["generations"] == b["generations"]
+  config = checkpoint_source.resolve(str(trained)).config
+  assert [r["question"] for r in b["generations"]] == [
+      ex.question for ex in data.make_examples(config, "eval")]
+  assert any(r["generations"].strip() for r in b["generations"])  # decoded, not empty
+  record = json.loads((exported / checkpoint_source.EXPORT_FILE).read_text())
+  assert record["config"] == json.loads((trained / "config.json").read_text())
+  # Its own tokenizer: the alphabet of the config it carries.
+  _evaluate(exported, tmp_path / "c")
+  assert _generations(tmp_path / "c")["generations"] == b["generations"]
+
+
+def test_a_plain_checkpoint_says_what_it_guessed(tmp_path, capsys):
+  """No stabledrl_jax.json, no enclosing workdir: one line names the prompt style and data."""
+  tokenizer = tokenizers.CharTokenizer()
+  config = models.get_config("tiny", vocab_size=tokenizer.vocab_size,
+                             embedding_size=tokenizer.vocab_size,
+                             mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id)
+  models.save_pretrained(models.init_model(config, seed=0), str(tmp_path / "plain"))
+  _evaluate(tmp_path / "plain", tmp_path / "out", tokenizer="char", limit=2, batch_size=2,
+            shard_size=2)
+  notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+  assert len(notes) == 1
+  assert ("with_instruction=True" in notes[0] and "assistant_prefix=''" in notes[0]
+          and "sudoku=synthetic from the default generator (seed 0)" in notes[0]), notes
+  assert _generations(tmp_path / "out")["settings"]["prompt"]["with_instruction"] is True
+  # Exporting it writes no training config, and removes a stale one of an earlier export.
+  (tmp_path / "again").mkdir()
+  (tmp_path / "again" / checkpoint_source.EXPORT_FILE).write_text("{}")
+  export.export(str(tmp_path / "plain"), str(tmp_path / "again"))
+  assert not (tmp_path / "again" / checkpoint_source.EXPORT_FILE).exists()
+
+
+def test_a_broken_export_record_is_named(workdir, tmp_path):
+  export.export(str(workdir), str(tmp_path / "out"))
+  (tmp_path / "out" / checkpoint_source.EXPORT_FILE).write_text("{not json")
+  with pytest.raises(ValueError, match="stabledrl_jax.json is not readable JSON"):
+    checkpoint_source.resolve(str(tmp_path / "out"))
+  (tmp_path / "out" / checkpoint_source.EXPORT_FILE).write_text('{"config": {}}')
+  with pytest.raises(ValueError, match="stabledrl_jax.json holds no training config"):
+    checkpoint_source.resolve(str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_exported_files_have_the_mode_of_new_files(workdir, tmp_path, umask, mode):
+  previous = os.umask(umask)
+  try:
+    export.export(str(workdir), str(tmp_path / "out"), max_shard_bytes=100_000)
+  finally:
+    os.umask(previous)
+  files = sorted((tmp_path / "out").iterdir())
+  assert any(f.name.endswith(".safetensors") for f in files)
+  assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
+      f.name: oct(mode) for f in files}
+
+
+def test_an_output_that_is_a_file_is_named(workdir, tmp_path, capsys):
+  target = tmp_path / "model.bin"
+  target.write_text("keep me")
+  with pytest.raises(SystemExit):
+    export.main(["--workdir", str(workdir), "--output", str(target)])
+  assert f"--output '{target}' is an existing file, not a directory" in capsys.readouterr().err
+  assert target.read_text() == "keep me"

@@ -7,8 +7,12 @@ Two kinds of path:
   come from its ``config.json``. Only the parameters are read (not the optimizer state), and the
   workdir is opened read-only, so training can go on beside an evaluation.
 - a Hugging Face checkpoint directory (``config.json`` and ``model.safetensors`` or its index),
-  read by ``models.from_pretrained``, of either model family (LLaDA or SDAR). Its tokenizer is its ``tokenizer.json`` or, for the
-  supervised start ``<workdir>/sft_model``, the tokenizer of the enclosing workdir.
+  read by ``models.from_pretrained``, of either model family (LLaDA or SDAR). Its tokenizer is
+  its ``tokenizer.json`` or else the training config's tokenizer. The training config (prompt
+  style, tokenizer, the task's data settings) is that of ``stabledrl_jax.json`` in the directory
+  (written by ``python -m stabledrl_jax.export``), else, for the supervised start
+  ``<workdir>/sft_model``, the enclosing workdir's config.json; a plain Hugging Face checkpoint
+  has none.
 
 Either way each parameter is created directly in its shards over the mesh.
 """
@@ -32,6 +36,10 @@ from stabledrl_jax.training import checkpointing, config_lib, data, specs, train
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
+# The training config an exported Hugging Face directory carries (export.py writes it):
+# {"format": 1, "exported_from": PATH, "step": N | null, "config": {<the run's config.json>}}.
+EXPORT_FILE = "stabledrl_jax.json"
+EXPORT_FORMAT = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +50,18 @@ class CheckpointSource:
     kind: WORKDIR or HUGGING_FACE.
     path: the directory, absolute.
     step: the orbax step of a workdir (None for a Hugging Face directory).
-    config: the training config of a workdir, or of the workdir a Hugging Face directory sits in
-      (its supervised start ``sft_model``); else None. Prompts, tokenizer and synthetic test sets
+    config: the training config of a workdir, of an exported Hugging Face directory (its
+      ``stabledrl_jax.json``), or of the workdir a Hugging Face directory sits in (its
+      supervised start ``sft_model``); else None. Prompts, tokenizer and synthetic test sets
       follow it.
+    config_file: the file ``config`` was read from ('' for none).
   """
 
   kind: str
   path: str
   step: int | None = None
   config: ml_collections.ConfigDict | None = None
+  config_file: str = ""
 
   @property
   def name(self) -> str:
@@ -58,7 +69,7 @@ class CheckpointSource:
     path = epath.Path(self.path)
     if self.kind == WORKDIR:
       return f"{path.name}-step{self.step}"
-    if self.config is not None:
+    if os.path.basename(self.config_file) == "config.json":  # The enclosing workdir's.
       return f"{path.parent.name}-{path.name}"
     return path.name
 
@@ -89,12 +100,54 @@ def training_config(path: epath.PathLike) -> ml_collections.ConfigDict | None:
     config = json.loads(path.read_text())
   except (OSError, ValueError):
     return None
-  if not isinstance(config, dict) or "tokenizer" not in config or "model" not in config:
+  if not _is_training_config(config):
     return None
-  # Over the current defaults: a workdir written before a field existed gets its default.
+  return _over_defaults(config)
+
+
+def _is_training_config(config: Any) -> bool:
+  return isinstance(config, dict) and "tokenizer" in config and "model" in config
+
+
+def _over_defaults(config: dict[str, Any]) -> ml_collections.ConfigDict:
+  """``config`` over the current defaults: a workdir written before a field existed gets its
+  default."""
   merged = config_lib.base_config()
   merged.update(config)
   return merged
+
+
+def exported_config(path: str) -> ml_collections.ConfigDict | None:
+  """The training config in ``path/stabledrl_jax.json`` (an exported checkpoint), if there is
+  that file.
+
+  Raises:
+    ValueError: the file is there but unreadable, or holds no training config.
+  """
+  file = os.path.join(path, EXPORT_FILE)
+  if not os.path.isfile(file):
+    return None
+  try:
+    with open(file, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError) as error:
+    raise ValueError(f"{file} is not readable JSON ({error}); delete it to evaluate {path} as a "
+                     "plain Hugging Face checkpoint") from None
+  config = record.get("config") if isinstance(record, dict) else None
+  if not _is_training_config(config):
+    raise ValueError(f"{file} holds no training config (a 'config' object with 'model' and "
+                     "'tokenizer'); delete it to evaluate the directory as a plain Hugging Face "
+                     "checkpoint")
+  return _over_defaults(config)
+
+
+def export_record(source: "CheckpointSource") -> dict[str, Any] | None:
+  """What ``python -m stabledrl_jax.export`` writes to EXPORT_FILE for ``source`` (None: it has
+  no training config to carry)."""
+  if source.config is None:
+    return None
+  return {"format": EXPORT_FORMAT, "exported_from": source.path, "step": source.step,
+          "config": json.loads(source.config.to_json_best_effort())}
 
 
 def resolve(path: str, step: int | None = None) -> CheckpointSource:
@@ -129,12 +182,18 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
       step = steps[-1]
     elif step not in steps:
       raise ValueError(f"workdir {path} has no checkpoint of step {step}; it has {steps}")
-    return CheckpointSource(WORKDIR, path, step=step, config=config)
+    return CheckpointSource(WORKDIR, path, step=step, config=config,
+                            config_file=str(epath.Path(path) / "config.json"))
   if is_huggingface_dir(path):
     if step is not None:
       raise ValueError(f"a step ({step}) selects a checkpoint of a training workdir; {path} is a "
                        "Hugging Face checkpoint directory")
-    return CheckpointSource(HUGGING_FACE, path, config=training_config(os.path.dirname(path)))
+    config, config_file = exported_config(path), os.path.join(path, EXPORT_FILE)
+    if config is None:  # The supervised start <workdir>/sft_model: the workdir's config.
+      config_file = os.path.join(os.path.dirname(path), "config.json")
+      config = training_config(config_file)
+    return CheckpointSource(HUGGING_FACE, path, config=config,
+                            config_file=config_file if config is not None else "")
   raise ValueError(
       f"{path} is neither a training workdir (it has no checkpoints/ directory) nor a Hugging "
       f"Face checkpoint directory ({hf_io.CONFIG_FILE} with {hf_io.SINGLE_FILE} or "
