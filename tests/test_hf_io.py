@@ -16,6 +16,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from stabledrl_jax import models
+from stabledrl_jax.models import hf_io
 
 P = "model.transformer."
 
@@ -295,3 +296,68 @@ def test_sharded_loading_on_a_fake_8_device_mesh(checkpoint, tokens):
   result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------
+# Unreadable files: one line naming the file (docs/reliability.md).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("config.json", "{not json", "is not valid JSON"),
+    ("config.json", "[1, 2]", "holds a JSON list, not an object"),
+    ("config.json", "\"llada\"", "holds a JSON str, not an object"),
+    ("generation_config.json", "\x00\x01", "is not valid JSON"),
+])
+def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path, tensors, name, content,
+                                                          message):
+  path = write_checkpoint(str(tmp_path / "ckpt"), tensors)
+  with open(os.path.join(path, name), "w") as f:
+    f.write(content)
+  for load in (models.from_pretrained, hf_io.load_config):
+    with pytest.raises(models.CheckpointError) as error:
+      load(path)
+    assert str(error.value).startswith(os.path.join(path, name) + " ")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_config_json_is_named(tmp_path, tensors):
+  path = write_checkpoint(str(tmp_path / "ckpt"), tensors)
+  os.remove(os.path.join(path, "config.json"))
+  with pytest.raises(FileNotFoundError, match=f"no config.json at {os.path.join(path, '')}"):
+    models.from_pretrained(path)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{\"weight_map\": ", "is not valid JSON"),
+    ("[\"model-00001-of-00002.safetensors\"]", "holds a JSON list"),
+    ("{\"metadata\": {}}", "has no \"weight_map\" object"),
+    ("{\"weight_map\": {\"a\": 3}}", "has no \"weight_map\" object"),
+])
+def test_an_index_that_is_not_a_weight_map_is_named(tmp_path, tensors, content, message):
+  path = write_checkpoint(str(tmp_path / "sharded"), tensors, shards=2)
+  index = os.path.join(path, "model.safetensors.index.json")
+  with open(index, "w") as f:
+    f.write(content)
+  with pytest.raises(models.CheckpointError) as error:
+    models.from_pretrained(path)
+  assert str(error.value).startswith(index + " ") and message in str(error.value)
+
+
+@pytest.mark.parametrize("dtype,code", [(np.int32, "I32"), (np.int64, "I64"), (np.bool_, "BOOL"),
+                                        (np.uint8, "U8")])
+def test_non_float_weights_are_refused_naming_tensor_and_file(tmp_path, tensors, dtype, code):
+  """Integer weights would load as whole numbers and score 0: refused, the tensor named."""
+  name = P + "blocks.1.v_proj.weight"
+  broken = dict(tensors)
+  broken[name] = (broken[name] * 100).astype(dtype)
+  path = write_checkpoint(str(tmp_path / "ints"), broken)
+  with pytest.raises(models.CheckpointError) as error:
+    models.from_pretrained(path)
+  assert str(error.value) == (
+      f"tensor {name!r} of {os.path.join(path, 'model.safetensors')} has dtype {code}, not a "
+      "float (F64, F32, F16, BF16)")
+  # float16 and float64 are floats: cast to the parameter dtype, as before.
+  halves = write_checkpoint(str(tmp_path / "f16"), {**tensors, name: tensors[name].astype(
+      np.float16)})
+  assert models.from_pretrained(halves) is not None

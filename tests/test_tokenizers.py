@@ -164,3 +164,35 @@ def test_sdar_ids_chat_format_and_decoding(tmp_path):
   shifted = dict(SDAR_SPECIAL_IDS, **{"<|MASK|>": 300})
   with pytest.raises(ValueError, match="Not SDAR"):
     tokenizers.HFTokenizer.sdar(_tiny_llada_tokenizer_json(tmp_path / "other.json", shifted))
+
+
+@pytest.mark.parametrize("content", [b"\x00\x01 garbage", b"", b"[1, 2]", b'{"version": "1.0"}'])
+def test_a_garbage_tokenizer_json_is_one_line_naming_the_file(tmp_path, content):
+  path = tmp_path / "tokenizer.json"
+  path.write_bytes(content)
+  for load in (tokenizers.HFTokenizer.llada, tokenizers.HFTokenizer.sdar):
+    for where in (path, tmp_path):  # The file, or the directory that holds it.
+      with pytest.raises(tokenizers.TokenizerError) as error:
+        load(where)
+      message = str(error.value)
+      assert message.startswith(f"{path} is not a Hugging Face tokenizer.json: "), message
+      assert "\n" not in message
+  assert issubclass(tokenizers.TokenizerError, ValueError)  # The CLIs' one-line errors.
+
+
+def test_a_missing_tokenizer_json_is_named(tmp_path):
+  with pytest.raises(FileNotFoundError) as error:
+    tokenizers.HFTokenizer.llada(tmp_path)
+  assert str(error.value) == f"no tokenizer file at {tmp_path / 'tokenizer.json'}"
+
+
+def test_a_tokenizer_without_the_mask_token_names_the_file(tmp_path):
+  path = _tiny_llada_tokenizer_json(tmp_path / "tokenizer.json",
+                                    special_ids={"<|startoftext|>": 126080})
+  with pytest.raises(tokenizers.TokenizerError, match=rf"{path} has no token '<\|mdm_mask\|>'"):
+    tokenizers.HFTokenizer.llada(path)
+
+
+def test_a_repeated_alphabet_names_the_character():
+  with pytest.raises(ValueError, match="the alphabet repeats 'ab'"):
+    tokenizers.CharTokenizer("abcab")

@@ -41,6 +41,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# The safetensors dtype codes a parameter may be stored in (cast to the parameter dtype).
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # A config.json without model_type: LLaDA's releases have none.
 _DEFAULT_MODEL_TYPE = "llada"
 
@@ -57,6 +59,26 @@ def first_id(value: Any) -> Any:
 def as_ids(value: Any) -> list[int]:
   """A config.json token id field (an id or a list of them) as a list."""
   return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _read_json_object(path: str, what: str = "") -> dict[str, Any]:
+  """A JSON file that must hold an object.
+
+  Raises:
+    FileNotFoundError: no file at ``path``.
+    CheckpointError: naming ``path``, when it is not JSON or not a JSON object.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no {what or os.path.basename(path)} at {path}")
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object "
+                          f"(a {os.path.basename(path)} maps names to values)")
+  return value
 
 
 def family_of(hf: dict[str, Any]) -> family_lib.Family:
@@ -76,8 +98,11 @@ class _Reader:
     index_path = os.path.join(path, INDEX_FILE)
     single_path = os.path.join(path, SINGLE_FILE)
     if os.path.exists(index_path):
-      with open(index_path) as f:
-        weight_map = json.load(f)["weight_map"]
+      weight_map = _read_json_object(index_path).get("weight_map")
+      if not (isinstance(weight_map, dict)
+              and all(isinstance(v, str) for v in weight_map.values())):
+        raise CheckpointError(f"{index_path} has no \"weight_map\" object of tensor name -> "
+                              "file name")
       files = sorted(set(weight_map.values()))
     elif os.path.exists(single_path):
       weight_map, files = None, [SINGLE_FILE]
@@ -110,6 +135,10 @@ class _Reader:
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._files[name].get_slice(name).get_shape())
+
+  def dtype(self, name: str) -> str:
+    """The tensor's safetensors dtype code: ``F32``, ``BF16``, ``I32``, ..."""
+    return str(self._files[name].get_slice(name).get_dtype())
 
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The tensor, or its `index` slice, as numpy (only that slice is read from the file).
@@ -157,12 +186,10 @@ def _load_array(reader: _Reader, name: str, shape: tuple[int, ...], transpose: b
 def _read_hf_config(path: str) -> dict[str, Any]:
   """config.json, its ``eos_token_id`` extended by generation_config.json's stop tokens (a chat
   model's end-of-turn token, e.g. SDAR's <|im_end|>), config.json's own first."""
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    hf = json.load(f)
+  hf = _read_json_object(os.path.join(path, CONFIG_FILE))
   generation = os.path.join(path, GENERATION_CONFIG_FILE)
   if os.path.exists(generation):
-    with open(generation) as f:
-      stops = json.load(f).get("eos_token_id")
+    stops = _read_json_object(generation).get("eos_token_id")
     if stops is not None:
       own = as_ids(hf["eos_token_id"]) if hf.get("eos_token_id") is not None else []
       merged = list(dict.fromkeys(own + as_ids(stops)))
@@ -234,6 +261,10 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
       got = reader.shape(name)
       if got != want:
         raise CheckpointError(f"tensor {name!r} has shape {got}, expected {want}")
+      # Parameters are floats: integer (or boolean) weights would be cast to whole numbers.
+      if reader.dtype(name) not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name!r} of {reader.file(name)} has dtype "
+                              f"{reader.dtype(name)}, not a float ({', '.join(_FLOAT_DTYPES)})")
     for name, state_path, transpose in entries:
       variable = flat[state_path]
       shape = tuple(variable.shape)
