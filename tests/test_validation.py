@@ -2,6 +2,7 @@
 or file name that does not exist, is a one-line error naming it before anything is written."""
 
 import dataclasses
+import json
 import os
 import pathlib
 import subprocess
@@ -187,6 +188,20 @@ def test_check_alphabet_on_hand_made_examples():
   with pytest.raises(ValueError, match=r"cannot encode '3'.*'<answer>13</answer>'"):
     data.check_alphabet(tokenizer, task, [tasks.Example("q", "12", reference="12"),
                                           tasks.Example("q", "13", reference="13")])
+
+
+def test_a_dataset_is_checked_once_when_it_is_loaded(tmp_path):
+  """A file's examples (not made in validate) are checked by make_examples, not per batch."""
+  records = tmp_path / "gsm8k.jsonl"
+  records.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+  config = quickstart(**{"task.name": "gsm8k", "data.eval": str(records), "data.eval_size": 0,
+                         "data.train": str(records), "data.train_size": 0})
+  specs.validate(config)  # The file is not read here.
+  with pytest.raises(ValueError, match=r"cannot encode '\\n#\+='") as error:
+    data.make_examples(config, "eval")
+  assert_names(error.value, "tokenizer.alphabet")
+  config.tokenizer.alphabet = ""
+  assert [ex.reference for ex in data.make_examples(config, "eval")] == ["1 + 1 = 2\n#### 2"]
 
 
 def test_a_repeated_alphabet_and_an_unknown_task_name_their_field():

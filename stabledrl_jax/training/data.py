@@ -134,7 +134,18 @@ def decode_completions(tokenizer, completion_tokens: np.ndarray) -> list[str]:
 
 
 def make_examples(config: ml_collections.ConfigDict, split: str) -> Sequence[tasks.Example]:
-  """``config.data.{train,eval}``: 'synthetic' (the task's generator), 'hub' or a local file."""
+  """``config.data.{train,eval}``: 'synthetic' (the task's generator), 'hub' or a local file.
+
+  With a character tokenizer, its alphabet must spell the first examples' answers
+  (``check_alphabet``): checked once here, when the data is made, not on every batch.
+  """
+  examples = _make_examples(config, split)
+  if config.tokenizer.kind == "char":
+    check_alphabet(make_tokenizer(config.tokenizer), tasks.get_task(config.task.name), examples)
+  return examples
+
+
+def _make_examples(config: ml_collections.ConfigDict, split: str) -> Sequence[tasks.Example]:
   source = config.data.train if split == "train" else config.data.eval
   size = config.data.train_size if split == "train" else config.data.eval_size
   seed = config.seed + (0 if split == "train" else 1)
@@ -170,7 +181,6 @@ class PromptSet:
 
 def encode_examples(config: ml_collections.ConfigDict, tokenizer, task: tasks.Task,
                     examples: Sequence[tasks.Example]) -> PromptSet:
-  check_alphabet(tokenizer, task, examples)
   texts = [format_prompt(tokenizer, task, ex, with_instruction=config.task.with_instruction)
            for ex in examples]
   tokens, mask = encode_prompts(tokenizer, texts, config.rollout.prompt_length)
