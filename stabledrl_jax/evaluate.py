@@ -4,7 +4,10 @@ r"""Evaluate a checkpoint: d1-protocol generations for each task and length, the
         --gen_lengths 128,256,512 --output_dir DIR
 
 PATH is a training workdir (its latest orbax checkpoint, or --step) or a Hugging Face checkpoint
-directory (see training/checkpoint_source.py). For each task and generation length the test
+directory (see training/checkpoint_source.py). The prompt style, the tokenizer and synthetic test
+sets follow the checkpoint's training config (a workdir's config.json, the stabledrl_jax.json of
+an export): an export evaluates as its workdir. A checkpoint without one gets d1's prompts, and
+a line on stderr says what was guessed. For each task and generation length the test
 examples become left-padded prompts, decoded with d1's settings (steps = length / 2, blocks of
 32, greedy; each can be overridden) in batches split over the data axes of the mesh, and are
 written in d1's format to DIR/TASK_MODEL_GENLEN_STEPS_SHARD_generations.json, one file per shard
@@ -532,7 +535,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("prompt_length", defaults.prompt_length,
                        "Padded prompt length (0: the longest prompt of the task).")
   flags.DEFINE_boolean("with_instruction", None, "Put the task's instruction before the question "
-                       "(default: as the workdir was trained; yes for Hugging Face checkpoints).")
+                       "(default: as the checkpoint's training config says: a workdir's, an "
+                       "export's stabledrl_jax.json; yes for plain Hugging Face checkpoints).")
   flags.DEFINE_string("assistant_prefix", None, "Start of the assistant's turn for chat "
                       f"tokenizers (default: {D1_ASSISTANT_PREFIX!r}, as d1's evaluation).")
   flags.DEFINE_string("output", defaults.output, "Results JSON (default: OUTPUT_DIR/results.json).")
