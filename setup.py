@@ -64,6 +64,8 @@ setuptools.setup(
             "datasets>=2.18",  # Hub datasets, tested on local copies in the Hub layout
             "nbmake>=1.5",  # executes notebooks/*.ipynb as tests
             "ipykernel>=6",  # the notebooks' kernel
+            # libtpu: tests/test_tpu_compile.py compiles for TPU topologies on a CPU host.
+            "jax[tpu]>=0.7",
         ],
     },
 )

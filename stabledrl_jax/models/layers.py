@@ -35,7 +35,7 @@ def check_config(config: Any, *, integers: tuple[str, ...], head_dim: Any, token
   config class and field: ``integers`` positive integers, then an even head_dim
   (``head_dim(config)``, for rotary embeddings), the mask and EOS ids in [0, the
   ``token_limit`` field), positive rope_theta and rms_norm_eps; the dtype fields are converted to
-  floating dtypes."""
+  floating dtypes; ``attention`` is one of ATTENTION_IMPLS."""
   cls = type(config).__name__
   for name in integers:
     value = getattr(config, name)
@@ -52,6 +52,7 @@ def check_config(config: Any, *, integers: tuple[str, ...], head_dim: Any, token
       raise ValueError(f"{cls}.{name} must be > 0, got {getattr(config, name)}")
   for name in ("param_dtype", "dtype", "logits_dtype"):
     object.__setattr__(config, name, float_dtype(getattr(config, name), f"{cls}.{name}"))
+  check_attention(config)
 
 
 def float_dtype(value: Any, field: str):
@@ -191,8 +192,9 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, out_std: float, dtype: Any,
-               param_dtype: Any, rngs: nnx.Rngs):
+               param_dtype: Any, rngs: nnx.Rngs, attention: str = "xla"):
     self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+    self.attention = attention  # model.attention (`attention_impl`)
     self.head_dim = d_model // n_heads
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     std = d_model**-0.5
@@ -231,8 +233,15 @@ class Attention(nnx.Module):
     # follows; another order reassociates float sums and moves every trained result slightly.
     q = self._queries(xq, cos_q, sin_q)
     k, v = self._keys_values(x, cos, sin)
-    mask = None if key_mask is None else key_mask[:, None, :]
-    out = dot_product_attention(q, k, v, mask, dtype=self.dtype)
+    impl = attention_impl(self.attention, self.dtype)
+    if impl == "xla":
+      mask = None if key_mask is None else key_mask[:, None, :]
+      out = dot_product_attention(q, k, v, mask, dtype=self.dtype)
+    else:
+      query_keep = key_mask if key_mask is None or span is None else (
+          jax.lax.dynamic_slice_in_dim(key_mask, span[0], length, axis=1))
+      out = kernel_attention(q, k, v, impl=impl, allowed=None, key_keep=key_mask,
+                             query_keep=query_keep, dtype=self.dtype)
     out = self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))
     return (out, (k, v)) if return_kv else out
 
@@ -261,8 +270,15 @@ class Attention(nnx.Module):
           cached, jnp.where(fresh, new.astype(cached.dtype), old), start, axis=1)
 
     k, v = merged(cache[0], k_new), merged(cache[1], v_new)
-    mask = None if key_mask is None else key_mask[:, None, :]
-    out = dot_product_attention(self._queries(xq, cos_q, sin_q), k, v, mask, dtype=self.dtype)
+    impl = attention_impl(self.attention, self.dtype)
+    if impl == "xla":
+      mask = None if key_mask is None else key_mask[:, None, :]
+      out = dot_product_attention(self._queries(xq, cos_q, sin_q), k, v, mask, dtype=self.dtype)
+    else:
+      query_keep = None if key_mask is None else jax.lax.dynamic_slice_in_dim(
+          key_mask, start, length, axis=1)
+      out = kernel_attention(self._queries(xq, cos_q, sin_q), k, v, impl=impl, allowed=None,
+                             key_keep=key_mask, query_keep=query_keep, dtype=self.dtype)
     return self.attn_out(out.reshape(b, length, self.n_heads * self.head_dim))
 
 
@@ -296,3 +312,172 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None, *,
   out = jnp.matmul(probs.reshape(b, kv_heads, groups * t, s),
                    jnp.transpose(v, (0, 2, 1, 3)).astype(dtype))  # [B, K, G*T, hd]
   return jnp.transpose(out.reshape(b, kv_heads, groups, t, head_dim), (0, 3, 1, 2, 4))
+
+
+# ---------------------------------------------------------------------------
+# Attention kernels for accelerators: model.attention = auto | xla | splash | cudnn.
+# ---------------------------------------------------------------------------
+
+ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
+# The one default (the model configs' `attention` field; config_lib's model.attention '' keeps
+# it): the platform's kernel (TPU: splash, GPU: cudnn for 16-bit compute), else "xla".
+DEFAULT_ATTENTION = "auto"
+# Splash attention's tiles: the sequence axes are padded to multiples of this (block_q and
+# block_kv must be multiples of 128 on TPU).
+SPLASH_TILE = 128
+
+
+def check_attention(config: Any) -> None:
+  """``config.attention`` is one of ATTENTION_IMPLS; else a ValueError naming model.attention."""
+  value = getattr(config, "attention")
+  if value not in ATTENTION_IMPLS:
+    raise ValueError(f"model.attention: {value!r} is not one of {', '.join(ATTENTION_IMPLS)} "
+                     f"({type(config).__name__}.attention)")
+
+
+def target_platform() -> str:
+  """The platform the computation being traced is for: that of the abstract mesh in context
+  (the trainer and the samplers trace under their mesh's, which may be TPU devices compiled
+  for from a CPU host), else JAX's default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
+
+
+def attention_impl(name: str, dtype: Any) -> str:
+  """The kernel ``model.attention = name`` runs for a compute ``dtype``: 'xla', 'splash' or
+  'cudnn'. 'auto' is splash on TPU, cudnn on GPU for bfloat16 / float16 compute (cuDNN's flash
+  attention takes no float32), else xla (the CPU default)."""
+  if name != "auto":
+    return name
+  platform = target_platform()
+  if platform == "tpu":
+    return "splash"
+  if platform in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    return "cudnn"
+  return "xla"
+
+
+def kernel_attention(q: Array, k: Array, v: Array, *, impl: str, allowed: np.ndarray | None,
+                     key_keep: Array | None, query_keep: Array | None, dtype: Any) -> Array:
+  """`dot_product_attention` by an accelerator kernel, for a mask given by its parts.
+
+  The mask is ``allowed[t, s] & key_keep[b, s]``: a static pattern (block-causal, staircase,
+  ...) and per-row key padding.
+
+  Args:
+    q: [B, T, K, G, hd] rotated queries (query head h = k * G + g reads kv head k).
+    k, v: [B, S, K, hd].
+    impl: 'splash' (Pallas TPU; interpreted on other platforms) or 'cudnn'.
+    allowed: [T, S] numpy bool (None: every key), known at trace time.
+    key_keep: [B, S] bool, False for keys no query may see (padding), or None.
+    query_keep: [B, T] bool, the queries' own entries of key_keep (splash only): a query with
+      False (a padding position, whose output nothing reads) attends to the masked keys instead,
+      so that no row of the kernel is empty. None: every query is kept.
+    dtype: compute dtype of the probabilities and the output.
+
+  Returns:
+    [B, T, K, G, hd] in dtype: the values of `dot_product_attention` at every kept query (at a
+    padding query splash's differ, as said).
+  """
+  if impl == "splash":
+    return _splash_attention(q, k, v, allowed, key_keep, query_keep, dtype)
+  if impl == "cudnn":
+    return _jax_nn_attention(q, k, v, allowed, key_keep, dtype, implementation="cudnn")
+  raise ValueError(f"model.attention: no kernel {impl!r} (one of splash, cudnn)")
+
+
+def _jax_nn_attention(q: Array, k: Array, v: Array, allowed: np.ndarray | None,
+                      key_keep: Array | None, dtype: Any, *, implementation: str) -> Array:
+  """`jax.nn.dot_product_attention` ([B, T, N, hd] layout, the same grouped heads)."""
+  b, t, kv_heads, groups, head_dim = q.shape
+  if implementation == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"model.attention='cudnn' needs a bfloat16 or float16 compute dtype "
+                     f"(model.dtype), got {jnp.dtype(dtype).name}; use 'xla' or 'auto'")
+  mask = None
+  if allowed is not None:
+    mask = jnp.asarray(allowed)[None, None]
+  if key_keep is not None:
+    keys = key_keep.astype(bool)[:, None, None, :]
+    mask = keys if mask is None else mask & keys
+  out = jax.nn.dot_product_attention(
+      q.reshape(b, t, kv_heads * groups, head_dim).astype(dtype), k.astype(dtype),
+      v.astype(dtype), mask=mask, implementation=implementation)
+  return out.reshape(b, t, kv_heads, groups, head_dim).astype(dtype)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _splash_block(length: int) -> int:
+  """The largest of 512, 256, 128 that divides the padded length (a multiple of 128)."""
+  return next(b for b in (512, 256, SPLASH_TILE) if length % b == 0)
+
+
+def _splash_attention(q: Array, k: Array, v: Array, allowed: np.ndarray | None,
+                      key_keep: Array | None, query_keep: Array | None, dtype: Any) -> Array:
+  """Pallas TPU splash attention; the sequence axes padded to whole tiles.
+
+  Padding keys are hidden from every real query by the static mask; padding queries see every
+  key (their rows are dropped). Key padding of the rows is segment ids: a key's id is 1 where
+  key_keep, else 0, and a query's its query_keep: real queries see the kept keys only.
+  Under a mesh the kernel runs per device (shard_map over the batch rule's axes and, where the
+  kv heads split evenly, 'tensor'), as a custom call XLA cannot partition.
+  """
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+  from stabledrl_jax.models import sharding as sharding_lib
+
+  b, t, kv_heads, groups, head_dim = q.shape
+  s = k.shape[1]
+  heads = kv_heads * groups
+  t_pad, s_pad = _round_up(t, SPLASH_TILE), _round_up(s, SPLASH_TILE)
+  static = np.zeros((t_pad, s_pad), bool)
+  static[:t, :s] = True if allowed is None else np.asarray(allowed, bool)
+  static[t:, :] = True
+  if not static[:t].any(axis=1).all():
+    raise ValueError("splash attention: a query row of the static mask sees no key")
+  interpret = target_platform() != "tpu"
+  block_q, block_kv = _splash_block(t_pad), _splash_block(s_pad)
+  block_sizes = splash.BlockSizes(
+      block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
+      block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+      block_kv_dq=block_kv)
+
+  # [B, H, T, hd] and [B, K, S, hd], q pre-scaled (the kernel does not scale).
+  qh = (q.astype(jnp.float32) * head_dim**-0.5).astype(dtype)
+  qh = jnp.transpose(qh, (0, 2, 3, 1, 4)).reshape(b, heads, t, head_dim)
+  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))
+  kh, vh = (jnp.pad(jnp.transpose(x.astype(dtype), (0, 2, 1, 3)),
+                    ((0, 0), (0, 0), (0, s_pad - s), (0, 0))) for x in (k, v))
+  segments = None
+  if key_keep is not None:
+    keep_q = jnp.ones((b, t), bool) if query_keep is None else query_keep.astype(bool)
+    segments = (jnp.pad(keep_q.astype(jnp.int32), ((0, 0), (0, t_pad - t))),
+                jnp.pad(key_keep.astype(jnp.int32), ((0, 0), (0, s_pad - s))))
+
+  def attend(qh, kh, vh, segments):
+    local_heads = qh.shape[1]
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([splash.NumpyMask(static)] * local_heads),
+        block_sizes=block_sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    if segments is None:
+      return jax.vmap(kernel)(qh, kh, vh)
+    return jax.vmap(lambda q1, k1, v1, sq, sk: kernel(
+        q1, k1, v1, segment_ids=splash.SegmentIds(sq, sk)))(qh, kh, vh, *segments)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    out = attend(qh, kh, vh, segments)
+  else:
+    rows = sharding_lib.partition_spec(("batch",), (b,), mesh)[0]
+    tensor = mesh.shape.get("tensor", 1)
+    head_axis = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
+    spec = jax.sharding.PartitionSpec(rows, head_axis, None, None)
+    row_spec = jax.sharding.PartitionSpec(rows, None)
+    seg_specs = None if segments is None else (row_spec, row_spec)
+    out = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, seg_specs),
+                        out_specs=spec, check_vma=False)(qh, kh, vh, segments)
+  out = out[:, :, :t].reshape(b, kv_heads, groups, t, head_dim)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dtype)

@@ -45,6 +45,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Run the layers as a lax.scan over their stacked parameters (models/scan.py: with FSDP,
       # one layer's kernels gathered and one layer's gradients reduced at a time).
       scan_layers=False,
+      # The attention kernel: auto | xla | splash (Pallas, TPU) | cudnn (GPU); '' = the model
+      # config's default, auto: splash on TPU, cudnn on GPU for 16-bit compute, else xla.
+      attention="",
   ))
   # kind: 'char' (alphabet) or a model family's name, whose conventions apply to the
   # tokenizer.json at path: a file, a directory holding one, or a Hub id.

@@ -190,8 +190,12 @@ def advantage_baseline(config: ml_collections.ConfigDict) -> str:
 
 
 def run_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Model config fields beyond dtypes and remat that the run sets: ``scan_layers``."""
-  return {"scan_layers": True} if config.model.get("scan_layers", False) else {}
+  """Model config fields beyond dtypes and remat that the run sets: ``scan_layers`` and
+  ``attention`` (where set; '' keeps the model config's default, ``layers.DEFAULT_ATTENTION``)."""
+  options = {"scan_layers": True} if config.model.get("scan_layers", False) else {}
+  if config.model.get("attention", ""):
+    options["attention"] = config.model.attention
+  return options
 
 
 def model_config(config: ml_collections.ConfigDict, tokenizer=None) -> Any:

@@ -42,6 +42,8 @@ class ModelConfig:
       when the model is called (the parameters and checkpoints keep one entry per layer). Same
       values; with FSDP, each iteration gathers one layer's kernels and reduces one layer's
       gradients, where an unrolled loop lets XLA keep them all (see README, "Memory plan").
+    attention: the attention kernel (`layers.ATTENTION_IMPLS`): 'auto' (the platform's: splash
+      on TPU, cudnn on GPU for 16-bit compute, else xla), 'xla', 'splash' or 'cudnn'.
   """
 
   d_model: int
@@ -61,6 +63,7 @@ class ModelConfig:
   logits_dtype: Any = jnp.float32
   remat: bool = False
   scan_layers: bool = False
+  attention: str = layers.DEFAULT_ATTENTION
 
   def __post_init__(self):
     if self.embedding_size is None:

@@ -36,7 +36,8 @@ class Block(nnx.Module):
     depth_scale = 1.0 / math.sqrt(2.0 * (layer_index + 1))
     self.attn_norm = layers.RMSNorm(config.d_model, eps=config.rms_norm_eps, **kw)
     self.attn = layers.Attention(config.d_model, config.n_heads, config.n_kv_heads,
-                                 out_std=config.d_model**-0.5 * depth_scale, rngs=rngs, **kw)
+                                 out_std=config.d_model**-0.5 * depth_scale, rngs=rngs,
+                                 attention=config.attention, **kw)
     self.ff_norm = layers.RMSNorm(config.d_model, eps=config.rms_norm_eps, **kw)
     self.mlp = layers.MLP(config.d_model, config.mlp_hidden_size,
                           out_std=config.mlp_hidden_size**-0.5 * depth_scale, rngs=rngs, **kw)

@@ -54,6 +54,7 @@ class SDARConfig:
     remat: rematerialize each layer in the backward pass.
     scan_layers: the layers but the last as one `lax.scan` over their stacked parameters in the
       full-sequence and staircase passes (`models/scan.py`; not in cached decoding).
+    attention: the attention kernel (`layers.ATTENTION_IMPLS`; as in LLaDA's ModelConfig).
   """
 
   hidden_size: int
@@ -75,6 +76,7 @@ class SDARConfig:
   logits_dtype: Any = jnp.float32
   remat: bool = False
   scan_layers: bool = False
+  attention: str = layers.DEFAULT_ATTENTION
 
   def __post_init__(self):
     layers.check_config(self, integers=("hidden_size", "num_hidden_layers",

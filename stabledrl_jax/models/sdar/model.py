@@ -41,6 +41,7 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from stabledrl_jax.models import layers
@@ -58,19 +59,66 @@ Array = jax.Array
 # ---------------------------------------------------------------------------
 
 
+# With model.attention a kernel (`layers.kernel_attention`), each mask is a static pattern and
+# the key padding; a pattern that depends on a traced position is rewritten into one that does
+# not (a block-aligned span of queries: `_cached_layout`).
+
+
+def _block_causal_np(t: int, s: int, block_size: int) -> np.ndarray:
+  """`staircase.block_causal_mask` of positions arange(t) over arange(s), as numpy."""
+  return (np.arange(t)[:, None] // block_size) >= (np.arange(s)[None, :] // block_size)
+
+
+def _cached_layout(q, k_prefix, v_prefix, prefix_visible, k_own, v_own, own_keep, block_size,
+                   impl, dtype):
+  """Queries of whole blocks at a block boundary over [prefix keys ; their own keys]: the
+  prefix keys where prefix_visible [B, S], their own block-causally (`layers.kernel_attention`)."""
+  m, s = k_own.shape[1], k_prefix.shape[1]
+  allowed = np.concatenate([np.ones((m, s), bool), _block_causal_np(m, m, block_size)], axis=1)
+  keys = jnp.concatenate([k_prefix, k_own.astype(k_prefix.dtype)], axis=1)
+  values = jnp.concatenate([v_prefix, v_own.astype(v_prefix.dtype)], axis=1)
+  return layers.kernel_attention(q, keys, values, impl=impl, allowed=allowed,
+                                 key_keep=jnp.concatenate([prefix_visible, own_keep], axis=1),
+                                 query_keep=own_keep, dtype=dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _BlockCausal:
-  """aux = (q_positions [T'], k_positions [T], key_mask [B, T] or None)."""
+  """aux = (q_positions [T'], k_positions [T], key_mask [B, T] or None).
+
+  The positions are arange(T) for both, or start + arange(T') for the queries of a span (for a
+  kernel: start a multiple of block_size, as the block sampler's are).
+  """
 
   block_size: int
   dtype: Any
+  attention: str = "xla"
 
   def __call__(self, q, k, v, aux):
     q_positions, k_positions, key_mask = aux
+    impl = layers.attention_impl(self.attention, self.dtype)
+    if impl != "xla":
+      return self._kernel(q, k, v, aux, impl)
     mask = staircase_lib.block_causal_mask(q_positions, k_positions, self.block_size)[None]
     if key_mask is not None:
       mask = mask & key_mask[:, None, :]
     return layers.dot_product_attention(q, k, v, mask, dtype=self.dtype)
+
+  def _kernel(self, q, k, v, aux, impl):
+    q_positions, _, key_mask = aux
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    keep = jnp.ones((b, s), bool) if key_mask is None else key_mask
+    if t == s:  # Every position: the static block-causal mask.
+      allowed = _block_causal_np(t, s, self.block_size)
+      return layers.kernel_attention(q, k, v, impl=impl, allowed=allowed, key_keep=key_mask,
+                                     query_keep=key_mask, dtype=self.dtype)
+    # A span at `start`: the keys before it are its prefix, its own keys block-causal.
+    start = q_positions[0]
+    prefix_visible = keep & (jnp.arange(s) < start)[None, :]
+    k_own, v_own, own_keep = (jax.lax.dynamic_slice_in_dim(x, start, t, axis=1)
+                              for x in (k, v, keep))
+    return _cached_layout(q, k, v, prefix_visible, k_own, v_own, own_keep, self.block_size,
+                          impl, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +129,16 @@ class _Staircase:
   block_size: int
   impl: str
   dtype: Any
+  attention: str = "xla"
 
   def __call__(self, q, k, v, aux):
+    kernel = layers.attention_impl(self.attention, self.dtype)
+    if kernel != "xla":  # The dense staircase pattern; the kernel skips its empty tiles.
+      n = q.shape[1] // (self.num_samples + 1)
+      allowed = staircase_lib.staircase_mask(n, self.block_size, self.num_samples)
+      keep = None if aux is None else jnp.tile(aux.astype(bool), (1, self.num_samples + 1))
+      return layers.kernel_attention(q, k, v, impl=kernel, allowed=allowed, key_keep=keep,
+                                     query_keep=keep, dtype=self.dtype)
     attend = staircase_lib.STAIRCASE_IMPLS[self.impl]
     return attend(q, k, v, num_samples=self.num_samples, block_size=self.block_size,
                   key_mask=aux, dtype=self.dtype)
@@ -98,9 +154,14 @@ class _Cached:
 
   block_size: int
   dtype: Any
+  attention: str = "xla"
 
   def __call__(self, q, k, v, aux):
     cache_k, cache_v, cache_visible, q_positions, new_mask = aux
+    impl = layers.attention_impl(self.attention, self.dtype)
+    if impl != "xla":  # The cache's length is a multiple of block_size (`SDAR.extend`).
+      return _cached_layout(q, cache_k, cache_v, cache_visible, k, v, new_mask, self.block_size,
+                            impl, self.dtype)
     own = staircase_lib.block_causal_mask(q_positions, q_positions, self.block_size)[None]
     own = own & new_mask[:, None, :]
     old = jnp.broadcast_to(cache_visible[:, None, :], (q.shape[0], q.shape[1],
@@ -287,7 +348,7 @@ class SDAR(nnx.Module):
     key_mask = None if attention_mask is None else attention_mask.astype(bool)
     positions = jnp.arange(length)
     cos, sin = self._rotary(positions)
-    kernel = _BlockCausal(self.config.block_size, self.config.dtype)
+    kernel = _BlockCausal(self.config.block_size, self.config.dtype, self.config.attention)
     auxes = [(positions, positions, key_mask)] * len(self.layers)
     if span is not None:
       auxes[-1] = (span[0] + jnp.arange(span[1]), positions, key_mask)
@@ -337,7 +398,8 @@ class SDAR(nnx.Module):
     key_mask = None if attention_mask is None else attention_mask.astype(bool)
     streams = jnp.concatenate([jnp.transpose(noisy, (1, 0, 2)).reshape(b, r * n), clean], axis=1)
     cos, sin = self._rotary(jnp.tile(jnp.arange(n), r + 1))
-    kernel = _Staircase(r, self.config.block_size, impl, self.config.dtype)
+    kernel = _Staircase(r, self.config.block_size, impl, self.config.dtype,
+                        self.config.attention)
     x, _ = self._stack(self.embed_tokens(streams), cos, sin, kernel, [key_mask] * len(self.layers),
                        keep_kv=False)
     hidden = self.norm(x[:, :r * n])
@@ -407,7 +469,7 @@ class SDAR(nnx.Module):
     new_mask = jax.lax.dynamic_slice_in_dim(cache.key_mask, start, m, axis=1)
     auxes = [(cache.keys[i], cache.values[i], cache_visible, positions, new_mask)
              for i in range(len(self.layers))]
-    kernel = _Cached(self.config.block_size, self.config.dtype)
+    kernel = _Cached(self.config.block_size, self.config.dtype, self.config.attention)
     x, kvs = self._stack(self.embed_tokens(tokens), cos, sin, kernel, auxes)
     if commit:
       keys = tuple(jax.lax.dynamic_update_slice_in_dim(cache.keys[i], k.astype(cache.keys[i].dtype),

@@ -1,0 +1,168 @@
+"""Compile for a TPU topology from any host: libtpu's real compiler, no TPU needed.
+
+With libtpu installed (``pip install 'jax[tpu]'``; the ``test`` extra has it),
+``jax.experimental.topologies`` describes a TPU slice ("v5e:2x2": 4 chips on one host;
+"v5e:4x4": 16 chips on 4 hosts) as compile-only devices. A mesh over them and abstract inputs
+(``jax.ShapeDtypeStruct`` with their shardings) let ``jit(...).lower(...).compile()`` run the TPU
+compiler on this machine: the Pallas kernels (splash attention) are lowered for real, and
+``profiling.compiled_memory`` of the result gives the bytes per chip. Nothing is allocated or run.
+
+    devices = tpu_compile.topology_devices("v5e:2x2")
+    result = tpu_compile.compile_train_step(config, devices)   # trainer.abstract_update
+    result = tpu_compile.compile_decode(config, devices, tpu_compile.rollout_decoding(config))
+    result.memory["total"], result.seconds, result.fits
+
+The samplers compile through ``training.decoding.generate`` (the path the trainer's rollouts and
+evaluations take) under the mesh's abstract mesh, the model from ``training.specs.model_config``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from stabledrl_jax import libtpu_env, models, profiling
+from stabledrl_jax.training import decoding as decoding_lib
+from stabledrl_jax.training import mesh as mesh_lib
+from stabledrl_jax.training import specs, trainer
+
+# HBM per chip (bytes), by `device_kind` (Cloud TPU's published sizes).
+CHIP_HBM_BYTES = {
+    "TPU v4": 32 * 2**30,
+    "TPU v5 lite": 16 * 2**30,  # v5e
+    "TPU v5": 95 * 2**30,  # v5p
+    "TPU v6 lite": 32 * 2**30,  # v6e (Trillium)
+}
+
+
+def libtpu_available() -> bool:
+  """Whether libtpu (the TPU compiler) can be imported here."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def topology_devices(topology: str = "v5e:2x2") -> list[jax.Device]:
+  """The compile-only devices of a TPU slice, e.g. "v5e:2x2" (1 host) or "v5e:4x4" (4 hosts).
+
+  Raises:
+    RuntimeError: libtpu is not installed (one line, with the install command).
+    ValueError: libtpu does not know the topology name.
+  """
+  libtpu_env.quiet_without_tpu()
+  if not libtpu_available():
+    raise RuntimeError("compiling for a TPU topology needs libtpu: pip install 'jax[tpu]' "
+                       "(or the test extra: pip install -e '.[test]')")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+  except Exception as error:  # pylint: disable=broad-except
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise ValueError(f"TPU topology {topology!r}: {first}") from None
+
+
+@dataclasses.dataclass
+class Result:
+  """One compiled computation.
+
+  Attributes:
+    what: a label.
+    seconds: lowering and compiling, wall clock.
+    memory: ``profiling.compiled_memory`` (bytes per chip: argument, output, alias, temp, total).
+    hbm_bytes: one chip's memory (CHIP_HBM_BYTES), or None for an unknown kind.
+    compiled: the ``jax.stages.Compiled`` (``.as_text()``: the optimized HLO).
+  """
+
+  what: str
+  seconds: float
+  memory: dict[str, int]
+  hbm_bytes: int | None
+  compiled: Any
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.hbm_bytes is None else self.memory["total"] <= self.hbm_bytes
+
+  def row(self) -> dict[str, Any]:
+    """A JSON-able summary."""
+    return dict(what=self.what, compile_seconds=round(self.seconds, 2),
+                per_chip_bytes=self.memory["total"], hbm_bytes=self.hbm_bytes, fits=self.fits,
+                xla=self.memory)
+
+
+@contextlib.contextmanager
+def no_persistent_cache():
+  """JAX's persistent compilation cache off: an executable for compile-only devices cannot be
+  read back ("PjRtCompiler must be constructed with a Client"), so writing it only costs disk
+  and every later read a warning."""
+  previous = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", previous)
+
+
+def _result(what: str, start: float, compiled: Any, devices) -> Result:
+  return Result(what=what, seconds=time.perf_counter() - start,
+                memory=profiling.compiled_memory(compiled),
+                hbm_bytes=CHIP_HBM_BYTES.get(devices[0].device_kind), compiled=compiled)
+
+
+def compile_train_step(config: ml_collections.ConfigDict, devices, *,
+                       what: str = "train_step") -> Result:
+  """The trainer's update of ``config`` (``trainer.abstract_update``) compiled on ``devices``."""
+  start = time.perf_counter()
+  update, state, batch, key = trainer.abstract_update(config, devices)
+  with no_persistent_cache():
+    compiled = update.lower(state, batch, key).compile()
+  return _result(what, start, compiled, devices)
+
+
+def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding_lib.Decoding:
+  """The trainer's rollout sampler settings (``config.rollout``; overrides: cache, remasking,
+  ...)."""
+  r = config.rollout
+  return decoding_lib.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps,
+                                          **overrides)
+
+
+def eval_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding_lib.Decoding:
+  """The trainer's evaluation decode (greedy, ``eval.steps``, exact unless overridden)."""
+  return decoding_lib.Decoding.of_rollout(config.rollout, temperature=0.0,
+                                          steps=config.eval.steps,
+                                          **{"cache": "none", **overrides})
+
+
+def compile_decode(config: ml_collections.ConfigDict, devices, settings: decoding_lib.Decoding,
+                   *, rows: int | None = None, what: str = "decode") -> Result:
+  """The model's sampler (``decoding.generate``) with ``settings`` on ``devices``, for ``rows``
+  prompts of ``rollout.prompt_length`` (default: the rollout batch, P x G), split as the trainer
+  splits them."""
+  start = time.perf_counter()
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  model_cfg = specs.model_config(config)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.init_model(model_cfg, seed=0)))
+  state = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state,
+                       models.param_shardings(state, mesh))
+  r = config.rollout
+  n = r.num_prompts * r.group_size if rows is None else rows
+  sharding = models.batch_sharding(mesh, ndim=2)
+  prompt = jax.ShapeDtypeStruct((n, r.prompt_length), jnp.int32, sharding=sharding)
+  prompt_mask = jax.ShapeDtypeStruct((n, r.prompt_length), jnp.bool_, sharding=sharding)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+
+  def generate(state, prompt, prompt_mask, key):
+    return decoding_lib.generate(nnx.merge(graphdef, state), prompt, prompt_mask, key, settings)
+
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), no_persistent_cache():
+    compiled = jax.jit(generate).lower(state, prompt, prompt_mask, key).compile()
+  return _result(what, start, compiled, devices)
