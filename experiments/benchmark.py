@@ -98,6 +98,7 @@ class Workload:
   gen_length: int
   steps: int
   block_length: int
+  microbatch_groups: int = 0  # train.microbatch_groups: 0 the whole batch at once, 1 the paper's
 
   @property
   def sequences(self) -> int:
@@ -115,6 +116,7 @@ def rl_config(w: Workload):
                    prompt_length=w.prompt_length, gen_length=w.gen_length, steps=w.steps,
                    block_length=w.block_length)
   c.estimator.update(num_samples=w.num_samples, block_length=w.block_length)
+  c.train.update(microbatch_groups=w.microbatch_groups)
   c.mesh.update(data=1, fsdp=1, tensor=1)
   specs.validate(c)
   return c
