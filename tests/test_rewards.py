@@ -4,6 +4,8 @@ d1 evaluation protocol's extraction rules."""
 import fractions
 import math
 import re
+import signal
+import threading
 import time
 
 from hypothesis import given
@@ -263,6 +265,12 @@ def test_math_reward_symbolic_check_adds_matches_when_math_verify_is_installed()
     ("9^{9^{9^{9}}}", False), ("10^{10^{10}}", False), ("(99^{99})^{999}", False),
     ("1000000!", False), ("9**9", False), ("\\binom{100}{50}", False), ("1" * 13, False),
     ("x" * 200, False), ("\\frace{={", False), ("{{1}", False), ("日本", False), ("", False),
+    # Powers and products that sympy expands (seconds to minutes), and deep nesting.
+    ("(x+1)^{10}", True), ("(x+1)(x+2)(x+3)", True), ("2^{9999}", True), ("e^{i\\pi}", True),
+    ("(x+1)^{9999}", False), ("(2x+1)^{999}", False), ("(a+b+c+d+e+f)^{12}", False),
+    ("(a+b+c)^{16}", False), ("(x^{999}-1)/(x-1)", False), ("\\sqrt{2}^{9999}", False),
+    ("(a+b)(c+d)(e+f)(g+h)(i+j)(k+l)", False), ("999999999999^{9999}", False),
+    ("\\Gamma(999999)", False), ("(" * 7 + "x" + ")" * 7, False), ("((((((x))))))", True),
 ])
 def test_symbolic_screen(answer, safe):
   assert math_equivalence.safe_for_symbolic(answer) is safe
@@ -544,3 +552,194 @@ def test_math_verify_reward_reads_the_whole_completion():
   assert task_rewards.math_verify_reward("\\boxed{71}", "72") == -1.0
   # Unsafe expressions are compared as text, never evaluated.
   assert task_rewards.math_verify_reward("\\boxed{9^{9^{9^{9}}}}", "18") == -1.0
+
+
+# ---------------------------------------------------------------------------
+# Bounded symbolic work on any thread (docs/reliability.md).
+# ---------------------------------------------------------------------------
+
+# A budget of 1 s of CPU per answer (`math_equivalence.DEFAULT_BUDGET_S`) and the d1 reward's
+# 0.2 s, with a generous margin for the screening and the interpreter: CPU time, which a loaded
+# machine does not inflate.
+_ANSWER_CPU_BOUND_S = 2.5
+
+
+def _on_a_thread(function):
+  """function()'s value and the CPU time it took, run on a fresh non-main thread."""
+  out = {}
+
+  def target():
+    start = time.thread_time()
+    try:
+      out["value"] = function()
+    except BaseException as error:  # pylint: disable=broad-except
+      out["error"] = error
+    out["cpu_s"] = time.thread_time() - start
+
+  thread = threading.Thread(target=target)
+  thread.start()
+  thread.join(timeout=120)
+  assert not thread.is_alive(), "the call never returned"
+  if "error" in out:
+    raise out["error"]
+  return out["value"], out["cpu_s"]
+
+
+_NUMBERS = ["2", "7", "64", "99", "999", "9999", "999999999999"]
+_ATOMS = _NUMBERS + ["x", "y", "a+b", "a+b+c", "\\pi", "e", "\\sqrt{2}", "\\frac{1}{2}"]
+
+
+@st.composite
+def _hostile_latex(draw, depth=0):
+  """LaTeX built from huge exponents, towers, factorials, long products and nesting."""
+  if depth >= 4 or draw(st.integers(0, 3)) == 0:
+    return draw(st.sampled_from(_ATOMS))
+  inner = lambda: draw(_hostile_latex(depth + 1))  # pylint: disable=unnecessary-lambda-assignment
+  shape = draw(st.sampled_from(["power", "tower", "factorial", "gamma", "product", "nest",
+                                "frac", "sqrt", "difference"]))
+  if shape == "power":
+    return f"({inner()})^{{{draw(st.sampled_from(_NUMBERS))}}}"
+  if shape == "tower":
+    return f"{{{inner()}}}^{{{inner()}}}"
+  if shape == "factorial":
+    return f"({inner()})!"
+  if shape == "gamma":
+    return f"\\Gamma({inner()})"
+  if shape == "product":
+    return "".join(f"({inner()})" for _ in range(draw(st.integers(2, 10))))
+  if shape == "nest":
+    return "(" * draw(st.integers(1, 8)) + inner() + ")" * draw(st.integers(1, 8))
+  if shape == "frac":
+    return f"\\frac{{{inner()}}}{{{inner()}+1}}"
+  if shape == "sqrt":
+    return f"\\sqrt{{{inner()}}}"
+  return f"{inner()}-{inner()}"
+
+
+_HOSTILE_LATEX = _hostile_latex()
+_REFERENCES = st.sampled_from(["5", "x", "(x+1)^{2}", "2^{10}", "\\frac{1}{2}", "x^2+2x+1"])
+
+
+@pytest.fixture(scope="module")
+def _math_verify_helper():
+  """math-verify installed, and a warm helper process for the off-main-thread calls."""
+  pytest.importorskip("math_verify")
+  from stabledrl_jax.rewards import symbolic_worker  # pylint: disable=g-import-not-at-top
+  _on_a_thread(lambda: math_equivalence.symbolic_equivalent("2x+2", "2(x+1)"))
+  return symbolic_worker
+
+
+@settings(max_examples=15, deadline=None)
+@given(prediction=_HOSTILE_LATEX, reference=_REFERENCES, same=st.booleans())
+def test_hostile_latex_is_bounded_in_cpu_time_off_the_main_thread(
+    _math_verify_helper, prediction, reference, same):
+  reference = prediction if same else reference
+  completion = f"so \\boxed{{{prediction}}}"
+  solution = f"Thus \\boxed{{{reference}}}."  # the official reward reads a whole solution
+  pool = _math_verify_helper.POOL
+  pool.stats["max_cpu_s"] = 0.0
+  for call, valid in [
+      (lambda: rewards.math_reward(completion, reference), (0.0, 1.0)),
+      (lambda: task_rewards.math_verify_reward(completion, solution), (-1.0, 1.0))]:
+    value, cpu_s = _on_a_thread(call)
+    assert value in valid, (prediction, reference, value)
+    if same or math_equivalence.math_answers_match(prediction, reference):
+      assert value == 1.0  # still right when the symbolic check is refused
+    # The calling thread only screens and waits; the helper stays within its budget.
+    assert cpu_s < _ANSWER_CPU_BOUND_S, (prediction, cpu_s)
+  assert pool.stats["max_cpu_s"] < _ANSWER_CPU_BOUND_S, (prediction, pool.stats)
+
+
+@settings(max_examples=15, deadline=None)
+@given(prediction=_HOSTILE_LATEX, reference=_REFERENCES)
+def test_hostile_latex_is_bounded_in_cpu_time_on_the_main_thread(prediction, reference):
+  pytest.importorskip("math_verify")
+  completion = f"so \\boxed{{{prediction}}}"
+  for call, valid in [(lambda: rewards.math_reward(completion, reference), (0.0, 1.0)),
+                      (lambda: task_rewards.math_verify_reward(completion, reference),
+                       (-1.0, 1.0))]:
+    start = time.process_time()
+    value = call()
+    assert value in valid
+    assert time.process_time() - start < _ANSWER_CPU_BOUND_S, prediction
+
+
+def test_correct_answers_stay_correct_off_the_main_thread(_math_verify_helper):
+  pairs = [("2x+2", "2(x+1)", True), ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2", True),
+           ("(x+1)^2", "x^2+2x+1", True), ("2x+3", "2(x+1)", False)]
+  for prediction, reference, equal in pairs:
+    on_main = math_equivalence.symbolic_equivalent(prediction, reference)
+    off_main, _ = _on_a_thread(
+        lambda: math_equivalence.symbolic_equivalent(prediction, reference))  # pylint: disable=cell-var-from-loop
+    assert on_main is off_main is equal, (prediction, reference)
+  value, _ = _on_a_thread(lambda: task_rewards.math_verify_reward("\\boxed{0.5}",
+                                                                  "Thus \\boxed{\\frac{1}{2}}."))
+  assert value == 1.0
+
+
+def test_a_helper_that_does_not_answer_in_time_is_killed_and_replaced(_math_verify_helper,
+                                                                      monkeypatch):
+  worker_module = _math_verify_helper
+  pool = worker_module.POOL
+  kills = pool.stats["kills"]
+  started = []
+  real_worker = worker_module._Worker  # pylint: disable=protected-access
+
+  def recording_worker():
+    worker = real_worker()
+    started.append(worker)
+    return worker
+
+  pool.close()  # Every helper from here on is one this test starts and sees.
+  monkeypatch.setattr(worker_module, "_Worker", recording_worker)
+  with monkeypatch.context() as patch:
+    patch.setattr(worker_module, "wait_s", lambda budget_s: 0.0)  # no time to answer
+    value, cpu_s = _on_a_thread(lambda: math_equivalence.symbolic_equivalent("2x+2", "2(x+1)"))
+  assert value is None and cpu_s < _ANSWER_CPU_BOUND_S
+  assert pool.stats["kills"] == kills + 1
+  assert len(started) == 1 and started[0].process.poll() is not None  # killed and reaped
+  value, _ = _on_a_thread(lambda: math_equivalence.symbolic_equivalent("2x+2", "2(x+1)"))
+  assert value is True and len(started) == 2 and started[1].alive()
+
+
+def test_the_cpu_deadline_waits_out_a_loaded_machine_and_restores_the_callers_timer():
+  # Sleeping uses no CPU: a 0.05 s CPU budget lets it finish (a loaded machine's case) ...
+  assert math_equivalence._call_with_deadline(  # pylint: disable=protected-access
+      lambda: time.sleep(0.1) or "done", 0.05, wall_factor=100) == "done"
+  # ... up to the wall-clock cap.
+  with pytest.raises(math_equivalence._DeadlineExceeded):  # pylint: disable=protected-access
+    math_equivalence._call_with_deadline(  # pylint: disable=protected-access
+        lambda: time.sleep(60), 0.05, wall_factor=4)
+  fired = []
+  previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 100.0)
+    math_equivalence._call_with_deadline(lambda: None, 0.05)  # pylint: disable=protected-access
+    remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    assert 0 < remaining <= 100.0 and not fired
+    assert signal.getsignal(signal.SIGALRM) is not previous
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("scheme", ["stabledrl", "d1"])
+def test_the_training_scorer_is_bounded_on_huge_powers(scheme):
+  """The probe of issue #27: four (x+1)^{9999} answers took 20 s through the scorer."""
+  pytest.importorskip("math_verify")
+  from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import reward_pool  # pylint: disable=g-import-not-at-top
+  task = tasks.get_task("math500")
+  scorer = reward_pool.RewardScorer(task, scheme, workers=0)
+  texts = ["\\boxed{(x+1)^{9999}}", "\\boxed{(2x+1)^{999}}", "\\boxed{(a+b+c+d+e+f)^{12}}",
+           "\\boxed{\\Gamma(999999)}"]
+  examples = [tasks.Example(question="q", ground_truth="5")] * 4
+  scorer(texts[:1], examples[:1])  # warm up (imports math-verify once)
+  start = time.process_time()
+  components = scorer(texts, examples)
+  assert time.process_time() - start < 4 * _ANSWER_CPU_BOUND_S
+  correctness = [term.name for term in scorer.terms].index("correctness")
+  assert components.shape == (4, len(scorer.terms))
+  assert set(components[:, correctness].tolist()) == {-1.0 if scheme == "stabledrl" else 0.0}
+  right = scorer(["\\boxed{5}"], examples[:1])  # and a right answer is still right
+  assert right[0, correctness] == 1.0

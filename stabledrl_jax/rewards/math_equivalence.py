@@ -9,16 +9,21 @@ normalized under that convention (an unbalanced "\\sqrt" at the end, "a/b" with 
 published numbers depend on it.
 
 `symbolic_equivalent` asks math-verify (sympy-based) when it is installed. sympy can spend
-unbounded time in C code on inputs such as 9^{9^{9^{9}}}, which no timer can interrupt, so
-inputs are screened first and the call runs under a wall-clock deadline where signals allow.
+unbounded time on inputs such as (x+1)^{9999}, part of it in C code that no timer can interrupt
+(9^{9^{9^{9}}}), so inputs are screened first (`safe_for_symbolic`) and the call gets a CPU-time
+budget on any thread (`bounded_call`): a signal deadline in the main thread, a helper process
+that is killed if it overruns elsewhere (`symbolic_worker`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
 import re
 import signal
 import threading
+import time
 
 from stabledrl_jax.rewards import extraction
 
@@ -141,15 +146,28 @@ def math_answers_match(prediction: str, reference: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# math-verify, screened and under a deadline.
+# math-verify, screened and under a CPU-time deadline.
 # ---------------------------------------------------------------------------
 
 MAX_SYMBOLIC_CHARS = 128
-# Commands whose evaluation can be astronomically expensive (factorials, binomials, sums).
-_EXPENSIVE = ("!", "**", "\\binom", "\\choose", "\\sum", "\\prod", "\\int", "\\lim")
+# Commands whose evaluation can be astronomically expensive (factorials, the gamma function,
+# binomials, sums).
+_EXPENSIVE = ("!", "**", "\\Gamma", "\\binom", "\\choose", "\\sum", "\\prod", "\\int", "\\lim")
 _LONG_DIGIT_RUN = re.compile(r"[0-9]{13,}")
+_DIGIT_RUN = re.compile(r"[0-9]+")
 # Total digits over all exponents: with 12-digit bases this keeps any power below ~10^5 digits.
 _MAX_EXPONENT_DIGITS = 4
+# Digits of a number raised to a power (exact in C, which no deadline interrupts).
+_MAX_POWER_DIGITS = 100_000
+# sympy expands powers and products of anything but plain numbers: (x+1)^{9999} against 5 runs
+# for minutes, (2x+1)^{999} for 11 s, (a+b+c+d+e+f)^{12} for 28 s. The degree (exponents of
+# non-numeric bases plus parenthesized factors) and the terms of a full expansion in the
+# answer's letters, C(degree + letters, letters), are bounded: (a+b+c)^{16} (1140 terms)
+# against (a+b+c)^{15} runs past a 1 s budget.
+_MAX_SYMBOLIC_DEGREE = 64
+_MAX_EXPANSION_TERMS = 500
+# math-verify's parser is exponential in bracket nesting: 21 nested parentheses cost 2.6 s.
+MAX_SYMBOLIC_NESTING = 6
 _COMMAND = re.compile(r"\\([a-zA-Z]+)")
 # LaTeX commands seen in final answers. An unknown one means garbled text, on which sympy's
 # parser can spend a long time for nothing; such answers get the normalized comparison only.
@@ -161,11 +179,18 @@ _KNOWN_COMMANDS = frozenset("""
     rangle lfloor rfloor lceil rceil begin end pmatrix bmatrix vmatrix matrix array cases dots
     ldots cdots quad qquad to rightarrow implies iff angle triangle parallel perp overline
     alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi
-    rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi Sigma Phi Psi
+    rho sigma tau upsilon phi varphi chi psi omega Delta Theta Lambda Xi Pi Sigma Phi Psi
     Omega displaystyle boxed hat vec bar tilde
 """.split())
 
+# The CPU-time budget of one answer's symbolic check (the d1-style math reward uses 0.2 s).
+DEFAULT_BUDGET_S = 1.0
+# The wall-clock cap of a deadline, as a multiple of its CPU budget: on a loaded machine the work
+# gets less CPU than wall time, and a correct answer should not lose its reward for that.
+WALL_FACTOR = 5.0
+
 _math_verify_module = None  # the module once imported and warmed up, False if not installed
+_math_verify_installed = None  # whether it can be imported (checked without importing it)
 
 # Representative comparisons run once after import, outside any deadline: sympy initializes
 # lazily, and a first call costs 50-350 ms that a warm call does not.
@@ -196,6 +221,20 @@ def _math_verify():
   return _math_verify_module or None
 
 
+def warm_up() -> bool:
+  """Imports and warms up math-verify in this process now; whether it is installed."""
+  return _math_verify() is not None
+
+
+def _installed() -> bool:
+  """Whether math-verify is importable, without importing it (a helper process may use it)."""
+  global _math_verify_installed
+  if _math_verify_installed is None:
+    _math_verify_installed = (_math_verify_module or
+                              importlib.util.find_spec("math_verify") is not None)
+  return bool(_math_verify_installed)
+
+
 def _verdict(module, prediction: str, reference: str) -> bool:
   gold = module.parse(f"${reference}$", parsing_timeout=None)
   guess = module.parse(f"${prediction}$", parsing_timeout=None)
@@ -204,8 +243,24 @@ def _verdict(module, prediction: str, reference: str) -> bool:
   return bool(module.verify(gold, guess, timeout_seconds=None))
 
 
-def _exponents(answer: str) -> list[str] | None:
-  """The exponent after each "^": a balanced {...} group or one character; None if unbalanced."""
+def _verify_text(module, completion: str, gold: str) -> bool:
+  """math-verify's parse of both texts, the screen on the extracted answers, then verify."""
+  gold_parsed = module.parse(gold, parsing_timeout=None)
+  guess = module.parse(completion, parsing_timeout=None)
+  if not gold_parsed or not guess:
+    return False
+  if not (safe_for_symbolic(str(guess[-1])) and safe_for_symbolic(str(gold_parsed[-1]))):
+    return math_answers_match(str(guess[-1]), str(gold_parsed[-1]))
+  return bool(module.verify(gold_parsed, guess, timeout_seconds=None))
+
+
+# The symbolic work a bounded call may run, by name (names cross to the helper processes).
+_WORK = {"verdict": _verdict, "verify": _verify_text}
+
+
+def _exponents(answer: str) -> list[tuple[int, str]] | None:
+  """(position of "^", exponent) for each "^": the exponent a balanced {...} group or one
+  character; None if unbalanced."""
   exponents = []
   caret = answer.find("^")
   while caret >= 0:
@@ -213,10 +268,10 @@ def _exponents(answer: str) -> list[str] | None:
       end = extraction.balanced_brace_end(answer, caret + 1)
       if end is None:
         return None
-      exponents.append(answer[caret + 2:end])
+      exponents.append((caret, answer[caret + 2:end]))
     else:
       end = caret + 1
-      exponents.append(answer[caret + 1:caret + 2])
+      exponents.append((caret, answer[caret + 1:caret + 2]))
     caret = answer.find("^", end)
   return exponents
 
@@ -233,14 +288,53 @@ def _braces_balanced(answer: str) -> bool:
   return depth == 0
 
 
+def _exponent_value(exponent: str) -> int:
+  """An upper bound on an exponent's integer size: the product of its digit runs (>= 1)."""
+  value = 1
+  for run in _DIGIT_RUN.findall(exponent):
+    value *= max(1, int(run))
+  return value
+
+
+def _numeric_base_digits(answer: str, caret: int) -> int | None:
+  """The digits of the plain number right before answer[caret] ("12^3" -> 2), else None."""
+  start = caret
+  while start > 0 and answer[start - 1].isdigit():
+    start -= 1
+  if start == caret or (start > 0 and (answer[start - 1].isalpha() or answer[start - 1] in ".")):
+    return None
+  return caret - start
+
+
+def _powers_are_small(answer: str, exponents: list[tuple[int, str]]) -> bool:
+  """The power and expansion bounds of `safe_for_symbolic` (exponent-free answers pass)."""
+  degree = answer.count("(")
+  for caret, exponent in exponents:
+    value = _exponent_value(exponent)
+    base_digits = _numeric_base_digits(answer, caret)
+    if base_digits is not None:
+      if base_digits * value > _MAX_POWER_DIGITS:
+        return False
+    else:
+      degree += value
+      if degree > _MAX_SYMBOLIC_DEGREE:
+        return False
+  letters = len(set(char for char in _COMMAND.sub(" ", answer) if char.isalpha()))
+  return degree <= _MAX_SYMBOLIC_DEGREE and math.comb(degree + letters, letters) <= (
+      _MAX_EXPANSION_TERMS)
+
+
 def safe_for_symbolic(answer: str) -> bool:
   """Whether an answer is well-formed and small enough to hand to sympy.
 
-  Accepts short printable-ASCII LaTeX with balanced braces and known commands. Refuses
-  factorials, binomials, sums, products, integrals, limits, "**", digit runs of 13 or more,
-  exponents that contain another exponent, and more than 4 exponent digits in total (so 2^{10}
-  and x^2 + y^2 pass; 10^{10^{10}} and (99^{99})^{999} do not): sympy would compute those
-  numbers in C code that no timer can interrupt.
+  Accepts short printable-ASCII LaTeX with balanced braces, known commands and brackets nested
+  at most MAX_SYMBOLIC_NESTING deep. Refuses factorials, \\Gamma, binomials, sums, products,
+  integrals, limits, "**", digit runs of 13 or more, exponents that contain another exponent,
+  more than 4 exponent digits in total, a number to a power of over 10^5 digits, and powers and
+  products whose expansion is large (a degree over 64, or over 500 terms in the answer's
+  letters). So 2^{10}, x^2 + y^2 and (x+1)^{10} pass; 10^{10^{10}}, (99^{99})^{999},
+  (x+1)^{9999} and (a+b+c+d+e+f)^{12} do not: sympy would spend seconds to minutes on them, part
+  of it in C code that no timer can interrupt.
   """
   if not answer or len(answer) > MAX_SYMBOLIC_CHARS:
     return False
@@ -248,63 +342,125 @@ def safe_for_symbolic(answer: str) -> bool:
     return False
   if any(token in answer for token in _EXPENSIVE) or _LONG_DIGIT_RUN.search(answer):
     return False
-  if not _braces_balanced(answer):
+  if not _braces_balanced(answer) or _nesting_depth(answer) > MAX_SYMBOLIC_NESTING:
     return False
   if any(command not in _KNOWN_COMMANDS for command in _COMMAND.findall(answer)):
     return False
   exponents = _exponents(answer)
-  if exponents is None or any("^" in exponent for exponent in exponents):
+  if exponents is None or any("^" in exponent for _, exponent in exponents):
     return False
-  exponent_digits = sum(char.isdigit() for exponent in exponents for char in exponent)
-  return exponent_digits <= _MAX_EXPONENT_DIGITS
+  exponent_digits = sum(char.isdigit() for _, exponent in exponents for char in exponent)
+  return exponent_digits <= _MAX_EXPONENT_DIGITS and _powers_are_small(answer, exponents)
 
 
 class _DeadlineExceeded(BaseException):
   """Raised by the timer signal; a BaseException so library `except Exception` cannot eat it."""
 
 
-def _raise_deadline(signum, frame):
-  del signum, frame
-  raise _DeadlineExceeded()
+def _signals_usable() -> bool:
+  """Whether this thread can run a signal deadline (the main thread, on a POSIX system)."""
+  return (hasattr(signal, "setitimer")
+          and threading.current_thread() is threading.main_thread())
 
 
-def _call_with_deadline(function, seconds: float):
-  """Runs function() with a SIGALRM deadline in the main thread; plainly elsewhere."""
-  can_signal = (hasattr(signal, "setitimer")
-                and threading.current_thread() is threading.main_thread())
-  if not can_signal:
-    return function()
-  previous_handler = signal.signal(signal.SIGALRM, _raise_deadline)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
+def _call_with_deadline(function, seconds: float, *, wall_factor: float = WALL_FACTOR):
+  """Runs function() in the main thread until it has used ``seconds`` of this thread's CPU time.
+
+  A wall-clock timer (SIGALRM) wakes up when ``seconds`` have passed; if this thread has used
+  less CPU time than that (a loaded machine), it sleeps again for the rest of the budget, up to
+  ``wall_factor`` x ``seconds`` of wall time in all. Past the budget it raises
+  _DeadlineExceeded. Work in C code that never returns to the interpreter is not interrupted;
+  `safe_for_symbolic` keeps such work out. A timer the caller had armed is restored after.
+
+  Raises:
+    RuntimeError: not in the main thread (`bounded_call` hands the work to a helper process
+    there).
+  """
+  if not _signals_usable():
+    raise RuntimeError("a signal deadline needs the main thread")
+  start_cpu, start_wall = time.thread_time(), time.monotonic()
+  wall_cap = seconds * wall_factor
+  armed = [True]
+
+  def on_alarm(signum, frame):
+    del signum, frame
+    if not armed[0]:
+      return
+    used = time.thread_time() - start_cpu
+    elapsed = time.monotonic() - start_wall
+    if used >= seconds or elapsed >= wall_cap:
+      # Raised inside a gc callback or a __del__, the exception is printed and dropped: the
+      # timer fires again shortly until one reaches the work.
+      signal.setitimer(signal.ITIMER_REAL, 0.01)
+      raise _DeadlineExceeded()
+    signal.setitimer(signal.ITIMER_REAL, max(min(seconds - used, wall_cap - elapsed), 1e-3))
+
+  previous_handler = signal.signal(signal.SIGALRM, on_alarm)
+  previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
   try:
     return function()
   finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous_handler)
+    while armed[0]:  # An alarm between the work's end and the disarming is ignored.
+      try:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        armed[0] = False
+      except _DeadlineExceeded:
+        pass
+    signal.signal(signal.SIGALRM,
+                  signal.SIG_DFL if previous_handler is None else previous_handler)
+    if previous_delay > 0:
+      remaining = previous_delay - (time.monotonic() - start_wall)
+      signal.setitimer(signal.ITIMER_REAL, max(remaining, 1e-3), previous_interval)
 
 
-def symbolic_equivalent(prediction: str, reference: str, *, deadline_s: float = 1.0) -> bool | None:
-  """math-verify's verdict on whether two answers are mathematically equal.
-
-  Args:
-    prediction: the model's final answer (LaTeX or plain), without \\boxed{}.
-    reference: the ground-truth answer.
-    deadline_s: wall-clock budget (enforced in the main thread only).
-
-  Returns:
-    True or False, or None when math-verify is not installed, an input fails
-    `safe_for_symbolic`, or the call fails or runs out of time.
-  """
+def run_bounded_here(kind: str, args, budget_s: float):
+  """`_WORK[kind](module, *args)` in this (main) thread under the CPU deadline; None when
+  math-verify is missing, the work fails, or it runs past ``budget_s`` CPU seconds."""
   module = _math_verify()
-  if module is None or not (safe_for_symbolic(prediction) and safe_for_symbolic(reference)):
+  work = _WORK.get(kind)
+  if module is None or work is None:
     return None
   try:
-    return _call_with_deadline(lambda: _verdict(module, prediction, reference), deadline_s)
+    return _call_with_deadline(lambda: work(module, *args), budget_s)
   except _DeadlineExceeded:
     return None
   except Exception:  # pylint: disable=broad-except
     # math-verify / sympy raise a wide variety of errors on odd input; a reward must not.
     return None
+
+
+def bounded_call(kind: str, args, budget_s: float):
+  """`run_bounded_here` on the main thread; elsewhere the same in a helper process.
+
+  Either way the work gets at most about ``budget_s`` seconds of CPU time, and the calling
+  thread spends no more: off the main thread it only waits for the helper
+  (`symbolic_worker.POOL`), which is killed if it does not answer in time.
+  """
+  if _signals_usable():
+    try:
+      return run_bounded_here(kind, args, budget_s)
+    except ValueError:  # signal.signal refused (the main thread of a sub-interpreter).
+      pass
+  from stabledrl_jax.rewards import symbolic_worker  # pylint: disable=g-import-not-at-top
+  return symbolic_worker.POOL.call(kind, list(args), budget_s)
+
+
+def symbolic_equivalent(prediction: str, reference: str, *,
+                        deadline_s: float = DEFAULT_BUDGET_S) -> bool | None:
+  """math-verify's verdict on whether two answers are mathematically equal.
+
+  Args:
+    prediction: the model's final answer (LaTeX or plain), without \\boxed{}.
+    reference: the ground-truth answer.
+    deadline_s: the CPU-time budget of the check, on any thread (`bounded_call`).
+
+  Returns:
+    True or False, or None when math-verify is not installed, an input fails
+    `safe_for_symbolic`, or the call fails or runs out of time.
+  """
+  if not _installed() or not (safe_for_symbolic(prediction) and safe_for_symbolic(reference)):
+    return None
+  return bounded_call("verdict", (prediction, reference), deadline_s)
 
 
 MAX_PARSE_NESTING = 12
@@ -322,36 +478,27 @@ def _nesting_depth(text: str) -> int:
   return deepest
 
 
-def verify_completion(completion: str, gold: str, *, deadline_s: float = 5.0) -> bool:
+def verify_completion(completion: str, gold: str, *, deadline_s: float = DEFAULT_BUDGET_S
+                      ) -> bool:
   """The official StableDRL check: math-verify's ``parse`` of the gold answer (a number, or a
   full MATH solution) and of the whole completion, then ``verify``.
 
   Parsing finds the answer wherever math-verify looks for one (\\boxed{} first, then LaTeX and
-  plain expressions) and builds unevaluated expressions, so it is cheap on any text; only the
-  comparison can be expensive. An extracted answer that fails `safe_for_symbolic` is therefore
-  compared as normalized text (`math_answers_match`), never handed to sympy. Each call runs under
-  ``deadline_s`` (the official timeout: 5 s); any failure counts as not equal.
+  plain expressions). An extracted answer that fails `safe_for_symbolic` is compared as
+  normalized text (`math_answers_match`), never handed to sympy. Parsing and comparison
+  together get ``deadline_s`` of CPU time on any thread (`bounded_call`; the official code
+  allows 5 s of wall time for each); past it, or on an error, the final answers (last \\boxed{}
+  or <answer>) are compared as normalized text.
   """
-  module = _math_verify()
-  if module is None or extraction.oversized(completion):
+  if not _installed() or extraction.oversized(completion):
     return False
-  if _nesting_depth(completion) > MAX_PARSE_NESTING:
-    # math-verify's parser is exponential in bracket nesting (minutes at depth 300): such text
-    # gets the normalized comparison of its final answer only.
-    prediction = extraction.last_boxed(completion) or extraction.last_answer_tag(completion)
-    reference = extraction.last_boxed(gold) or gold
-    return bool(prediction) and math_answers_match(prediction.strip(), reference.strip())
-  try:
-    gold_parsed, guess = _call_with_deadline(
-        lambda: (module.parse(gold, parsing_timeout=None),
-                 module.parse(completion, parsing_timeout=None)), deadline_s)
-    if not gold_parsed or not guess:
-      return False
-    if not (safe_for_symbolic(str(guess[-1])) and safe_for_symbolic(str(gold_parsed[-1]))):
-      return math_answers_match(str(guess[-1]), str(gold_parsed[-1]))
-    return bool(_call_with_deadline(
-        lambda: module.verify(gold_parsed, guess, timeout_seconds=None), deadline_s))
-  except _DeadlineExceeded:
-    return False
-  except Exception:  # pylint: disable=broad-except
-    return False  # math-verify / sympy raise a wide variety of errors on odd input.
+  if _nesting_depth(completion) <= MAX_PARSE_NESTING:
+    verdict = bounded_call("verify", (completion, gold), deadline_s)
+    if verdict is not None:
+      return verdict
+  # math-verify's parser is exponential in bracket nesting (minutes at depth 300), and some
+  # answers cost more than the budget to parse ((\Gamma(10^{12}))!): such text gets the
+  # normalized comparison of its final answer only.
+  prediction = extraction.last_boxed(completion) or extraction.last_answer_tag(completion)
+  reference = extraction.last_boxed(gold) or gold
+  return bool(prediction) and math_answers_match(prediction.strip(), reference.strip())
