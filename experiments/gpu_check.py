@@ -50,18 +50,18 @@ Preparing the device machine (it has no network; jax, flax, optax, orbax, chex, 
 transformers are in its image):
 
   1. The peers' code, into an ignored folder (third_party/ is in .gitignore), on a machine with
-     network access:
-       git clone --depth 1 <GitHub>/ML-GSAI/LLaDA third_party/LLaDA
-       git clone --depth 1 <GitHub>/NVlabs/Fast-dLLM third_party/Fast-dLLM
-       git clone --depth 1 <GitHub>/JianyuanZhong/StableDRL third_party/StableDRL
-     Only these files are read (`gpu_check_peers.PEER_FILES`): LLaDA/generate.py,
-     StableDRL/networks/{modeling,configuration}_llada.py,
-     Fast-dLLM/llada/{generate.py,model/__init__.py,model/{modeling,configuration}_llada.py};
-     keep those alone if the folder must stay small (the run tool carries 64 MiB).
+     network access: clone the three repositories, then copy the few files read at run time
+     (`gpu_check_peers.PEER_FILES`, a few hundred KB; the run tool carries 64 MiB at most):
+       for r in ML-GSAI/LLaDA NVlabs/Fast-dLLM JianyuanZhong/StableDRL; do
+         git clone --depth 1 <GitHub>/$r /tmp/clones/${r#*/}; done
+       python experiments/gpu_check_peers.py --collect /tmp/clones --peers_dir third_party
+     (From the bare mirrors a session's fetch tool makes, `git --git-dir=MIRROR show HEAD:PATH`
+     writes each of those files.)
   2. The wheels the image lacks, for Python 3.12:
        pip download -d third_party/wheels --only-binary=:all: --python-version 3.12 \
            --platform manylinux2014_x86_64 ml_collections einops
-     (einops: Fast-dLLM's modeling imports it; the package's other extras are not needed here.)
+     (einops: Fast-dLLM's modeling imports it; this script imports nothing else the image
+     lacks.)
   3. On the device, from the repository root (carry third_party):
        pip install --no-index --find-links third_party/wheels ml_collections einops
        PYTHONPATH=. python experiments/gpu_check.py --output $OUT/gpu_check.json \
@@ -429,10 +429,11 @@ def our_logits(model, tokens: np.ndarray) -> np.ndarray:
   """Float32 logits of ``model``'s weights (a float32-compute copy) on every position."""
   config32 = model.config.replace(dtype=jnp.float32, logits_dtype=jnp.float32)
   graphdef32 = nnx.graphdef(nnx.eval_shape(lambda: models.LLaDA(config32, rngs=nnx.Rngs(0))))
-  model32 = nnx.merge(graphdef32, nnx.state(model))
+  state = nnx.state(model)  # an argument of the jitted forward, not constants baked into it
+  forward = jax.jit(lambda state, t: nnx.merge(graphdef32, state)(t))
   precision = getattr(jax, "default_matmul_precision", None)  # guarded across jax versions
   with precision("highest") if precision is not None else contextlib.nullcontext():
-    return np.asarray(jax.jit(lambda t: model32(t))(jnp.asarray(tokens)))
+    return np.asarray(forward(state, jnp.asarray(tokens)))
 
 
 def logits_agreement(ours: np.ndarray, theirs: np.ndarray) -> dict:

@@ -7,6 +7,10 @@ with the peers' code: it imports the peers' files from ``--peers_dir`` at run ti
     python experiments/gpu_check_peers.py --peer official --peers_dir third_party \
         --model_dir /tmp/hf --jobs jobs.json --output out.json
 
+    # The peers' folder from clones of the three repositories in CLONES/{LLaDA,Fast-dLLM,
+    # StableDRL}: copies only the files read here (PEER_FILES), a few hundred KB.
+    python experiments/gpu_check_peers.py --collect CLONES --peers_dir third_party
+
 Peers (the folder layout under --peers_dir is in gpu_check.py's docstring):
   official    StableDRL's `networks/modeling_llada.py` (LLaDAModelLM, the official LLaDA modeling
               code) with ML-GSAI/LLaDA's `generate.py` (generate(model, prompt, steps, gen_length,
@@ -33,6 +37,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -43,9 +48,22 @@ import numpy as np
 PEER_FILES = {
     "official": ("StableDRL/networks/modeling_llada.py",
                  "StableDRL/networks/configuration_llada.py", "LLaDA/generate.py"),
-    "fast_dllm": ("Fast-dLLM/llada/model/modeling_llada.py",
+    "fast_dllm": ("Fast-dLLM/llada/model/__init__.py", "Fast-dLLM/llada/model/modeling_llada.py",
                   "Fast-dLLM/llada/model/configuration_llada.py", "Fast-dLLM/llada/generate.py"),
 }
+
+
+def collect(clones: str, peers_dir: str) -> list[str]:
+  """Copies every peer's files from ``clones`` (the repositories' checkouts) to ``peers_dir``;
+  returns the files copied. A file absent from ``clones`` is an error naming it."""
+  files = [f for peer in sorted(PEER_FILES) for f in PEER_FILES[peer]]
+  missing = [f for f in files if not os.path.isfile(os.path.join(clones, f))]
+  if missing:
+    raise FileNotFoundError(f"--collect {clones} has no {', '.join(missing)}")
+  for f in files:
+    os.makedirs(os.path.dirname(os.path.join(peers_dir, f)), exist_ok=True)
+    shutil.copyfile(os.path.join(clones, f), os.path.join(peers_dir, f))
+  return files
 
 
 def missing_files(peer: str, peers_dir: str) -> list[str]:
@@ -213,12 +231,24 @@ def run_train(model, job, device, clock, mask_id, vocab_size):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--peer", required=True, choices=sorted(PEER_FILES))
+  parser.add_argument("--peer", choices=sorted(PEER_FILES))
   parser.add_argument("--peers_dir", required=True)
-  parser.add_argument("--model_dir", required=True)
-  parser.add_argument("--jobs", required=True)
-  parser.add_argument("--output", required=True)
+  parser.add_argument("--model_dir")
+  parser.add_argument("--jobs")
+  parser.add_argument("--output")
+  parser.add_argument("--collect", default="",
+                      help="copy the peers' files from this folder of clones to --peers_dir")
   args = parser.parse_args(argv)
+  if args.collect:
+    try:
+      files = collect(args.collect, args.peers_dir)
+    except FileNotFoundError as e:
+      parser.error(str(e))
+    print(f"copied {len(files)} files to {args.peers_dir}")
+    return 0
+  for name in ("peer", "model_dir", "jobs", "output"):
+    if not getattr(args, name):
+      parser.error(f"--{name} is required (unless --collect)")
   out = dict(peer=args.peer, jobs=[])
 
   def write():

@@ -187,3 +187,21 @@ def test_peers_logits_agree_with_ours_on_the_same_weights(tmp_path):
     assert row["status"] == "ok", row
     assert row["relative_l2"] < 1e-5 and row["argmax_agreement"] == 1.0
     assert row["shape"] == [2, 8 + GEN, 128]
+
+
+def test_collect_copies_only_the_peers_files(tmp_path):
+  import gpu_check_peers  # pylint: disable=g-import-not-at-top
+  clones, dest = tmp_path / "clones", tmp_path / "third_party"
+  files = [f for p in gpu_check_peers.PEER_FILES for f in gpu_check_peers.PEER_FILES[p]]
+  for f in files + ["LLaDA/imgs/big.gif"]:
+    (clones / f).parent.mkdir(parents=True, exist_ok=True)
+    (clones / f).write_text(f"# {f}\n")
+  gpu_check_peers.collect(str(clones), str(dest))
+  copied = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+  assert copied == sorted(files)
+  assert all((dest / f).read_text() == f"# {f}\n" for f in files)
+  for peer in gpu_check_peers.PEER_FILES:
+    assert gpu_check_peers.missing_files(peer, str(dest)) == []
+  (clones / files[0]).unlink()
+  with pytest.raises(FileNotFoundError, match=files[0]):
+    gpu_check_peers.collect(str(clones), str(tmp_path / "other"))
