@@ -16,7 +16,8 @@ Rows, in this order (`--rows` selects; names or groups: train, sampler, peers, a
                        `model.attention` = "xla" and "cudnn". FLOPs: `models.llada.flops`.
   sampler_<cache>_<remasking>   `sampling.generate` at the paper's decoding shape (256 tokens,
                        128 steps, blocks of 32, 64 rows, T = 0.9) for the caches none / prefix /
-                       dual, each with low_confidence and threshold (tau 0.9) remasking: tokens/s,
+                       dual, each with low_confidence (the three first) and threshold (tau 0.9)
+                       remasking (one compiled call timed, `--sampler_repeats`): tokens/s,
                        model calls per sequence, FLOPs (`benchmark_sampler.call_flops`). Random
                        weights are never confident, so threshold decoding degenerates to one token
                        per call there (32 calls a block): its rows time the caches, not the
@@ -135,7 +136,7 @@ CACHES = sampling.CACHES
 REMASKINGS = ("low_confidence", "threshold")
 PEERS = ("official", "fast_dllm")
 ROW_NAMES = (["env", "peak", "train_xla", "train_cudnn"]
-             + [f"sampler_{c}_{r}" for c in CACHES for r in REMASKINGS]
+             + [f"sampler_{c}_{r}" for r in REMASKINGS for c in CACHES]
              + ["peer_logits_official", "peer_train_official", "peer_sampler_official",
                 "peer_logits_fast_dllm", "peer_sampler_fast_dllm"])
 GROUPS = {"all": ROW_NAMES, "train": ["train_xla", "train_cudnn"],
@@ -630,8 +631,8 @@ def run(args) -> dict:
   model = prompt = None
   if any(n.startswith(("sampler_", "peer_")) for n in rows):
     model, prompt = sampler_model(ctx)
-  for cache in CACHES:
-    for remasking in REMASKINGS:
+  for remasking in REMASKINGS:  # the fixed schedule's rows first: a random model's threshold
+    for cache in CACHES:       # rows are the slowest (one token per call)
       if f"sampler_{cache}_{remasking}" in rows:
         guarded(f"sampler_{cache}_{remasking}",
                 lambda c=cache, r=remasking: sampler_row(ctx, c, r, model, prompt))
@@ -713,6 +714,14 @@ def parse_args(argv=None):
   for name in ("sampler_rows", "train_prompts", "sampler_repeats"):
     if getattr(args, name) < 0:
       parser.error(f"--{name} must be >= 0, got {getattr(args, name)}")
+  if args.output:  # an unwritable --output is found now, not after the first row's minutes
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+      with open(args.output + ".tmp", "w"):
+        pass
+      os.remove(args.output + ".tmp")
+    except OSError as e:
+      parser.error(f"--output {args.output}: {e.strerror or e}")
   if not args.smoke and jax.default_backend() == "cpu":
     print("warning: the full shapes on a CPU take hours; --smoke is the CPU check", flush=True)
   return args

@@ -205,3 +205,11 @@ def test_collect_copies_only_the_peers_files(tmp_path):
   (clones / files[0]).unlink()
   with pytest.raises(FileNotFoundError, match=files[0]):
     gpu_check_peers.collect(str(clones), str(tmp_path / "other"))
+
+
+def test_unwritable_output_is_a_one_line_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  result = run_check(f"--output={blocker / 'sub' / 'x.json'}", "--rows=env")
+  assert result.returncode == 2
+  assert "--output" in result.stderr.splitlines()[-1] and "Traceback" not in result.stderr
