@@ -8,7 +8,9 @@ item is scored by its task's metric (`Task.score`).
     python -m stabledrl_jax.scoring DIR_OF_D1_GENERATION_FILES --output results.json
 
 prints a table of setup, accuracy (%) and n (items), and writes
-{"<setup>": {"accuracy": <percent>, "n": <int>}}.
+{"<setup>": {"accuracy": <percent>, "n": <int>}}. A path it cannot score (a FIFO or device named
+like a generation file, which is never opened; unreadable, malformed or too deeply nested JSON;
+a record of the wrong types) is skipped, named and counted on stderr; the rest are scored.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import stat
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -57,19 +60,50 @@ def task_of(setup: str) -> tasks.Task:
   return tasks.get_task(setup.split("_", 1)[0])
 
 
-def generation_files(paths: Iterable[str | pathlib.Path]) -> list[pathlib.Path]:
-  """The generation files named directly, plus those directly inside named directories."""
-  files = []
+def _problem(skipped: list[str] | None, error: Exception) -> None:
+  """Appends the reason to ``skipped``, or raises it when there is no list to append to."""
+  if skipped is None:
+    raise error
+  skipped.append(str(error))
+
+
+def generation_files(paths: Iterable[str | pathlib.Path],
+                     skipped: list[str] | None = None) -> list[pathlib.Path]:
+  """The generation files named directly, plus those directly inside named directories.
+
+  Candidates are chosen by name only (nothing is opened here: a FIFO named like a generation
+  file is only ever looked at with os.stat, by `read_generation_file`); each file once. A path
+  that does not exist, a directory that cannot be listed and a named file that is not called
+  TASK_..._SHARD_generations.json raise ValueError / FileNotFoundError, or are appended to
+  ``skipped`` (naming them) when it is given.
+  """
+  files, seen = [], set()
+
+  def add(path: pathlib.Path) -> None:
+    key = os.path.realpath(path)
+    if key not in seen:
+      seen.add(key)
+      files.append(path)
+
   for path in map(pathlib.Path, paths):
     if path.is_dir():
-      files.extend(sorted(child for child in path.glob("*_generations.json")
-                          if setup_of(child) is not None))
-    elif path.is_file():
+      try:
+        with os.scandir(path) as entries:
+          names = sorted(entry.name for entry in entries)
+      except OSError as error:
+        _problem(skipped, ValueError(f"{path}: cannot list the directory "
+                                     f"({error.strerror or error})"))
+        continue
+      for name in names:
+        if not name.startswith(".") and setup_of(name) is not None:  # as glob("*_...")
+          add(path / name)
+    elif os.path.lexists(path):
       if setup_of(path) is None:
-        raise ValueError(f"{path}: not named TASK_..._SHARD_generations.json")
-      files.append(path)
+        _problem(skipped, ValueError(f"{path}: not named TASK_..._SHARD_generations.json"))
+        continue
+      add(path)
     else:
-      raise FileNotFoundError(path)
+      _problem(skipped, FileNotFoundError(f"{path}: no such file or directory"))
   return files
 
 
@@ -91,18 +125,75 @@ def setup_records(directory: str | pathlib.Path, task_name: str) -> list[dict[st
           for record in read_generation_file(path)]
 
 
+# d1's generation files are a few MB; a larger file is not one of them.
+MAX_GENERATION_FILE_BYTES = 1 << 30
+
+
+def _file_kind(mode: int) -> str:
+  for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                     (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                     (stat.S_ISSOCK, "a socket")):
+    if test(mode):
+      return kind
+  return "not a regular file"
+
+
+def _read_regular_file(path: pathlib.Path) -> str:
+  """The UTF-8 text of a regular file; ValueError naming it for anything else.
+
+  The file's type is checked with os.stat before it is opened, so a FIFO or a device named like
+  a generation file is never opened (reading a FIFO would wait for a writer forever). Should
+  the path be replaced by one after the check, the non-blocking open and the fstat refuse it.
+  """
+  try:
+    info = os.stat(path)
+  except OSError as error:
+    raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+  if not stat.S_ISREG(info.st_mode):
+    raise ValueError(f"{path}: {_file_kind(info.st_mode)}, not a regular file")
+  if info.st_size > MAX_GENERATION_FILE_BYTES:
+    raise ValueError(f"{path}: {info.st_size} bytes, over the {MAX_GENERATION_FILE_BYTES} of "
+                     "a generation file")
+  try:
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(descriptor, "rb") as file:
+      mode = os.fstat(file.fileno()).st_mode
+      if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: {_file_kind(mode)}, not a regular file")
+      data = file.read(MAX_GENERATION_FILE_BYTES + 1)
+  except OSError as error:
+    raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+  if len(data) > MAX_GENERATION_FILE_BYTES:
+    raise ValueError(f"{path}: over the {MAX_GENERATION_FILE_BYTES} bytes of a generation file")
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as error:
+    raise ValueError(f"{path}: not UTF-8 text ({error})") from None
+
+
+# The fields of a record, and the JSON types each may have (the ground truth's type is the
+# task's business: a number for GSM8K, a string for MATH and sudoku, [numbers, target] for
+# countdown; its scorer rejects the wrong one, see `score_generation_files`).
+_RECORD_FIELDS = {"question": (str,), "generations": (str,),
+                  "ground_truth": (str, int, float, list, type(None))}
+
+
 def read_generation_file(path: str | pathlib.Path) -> list[dict[str, Any]]:
   """The records of one d1 generation file, its schema checked.
 
   Raises:
-    ValueError naming the file: unreadable, not JSON, or not {"generations": [{"question",
-    "generations" (text), "ground_truth"}, ...]}.
+    ValueError naming the file: not a regular file (a FIFO, a device, a directory; never
+    opened), unreadable, not UTF-8 JSON, nested too deeply to parse, or not {"generations":
+    [{"question" (text), "generations" (text), "ground_truth"}, ...]}.
   """
   path = pathlib.Path(path)
+  text = _read_regular_file(path)
   try:
-    data = json.loads(path.read_text(encoding="utf-8"))
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    data = json.loads(text)
+  except json.JSONDecodeError as error:
     raise ValueError(f"{path}: not a readable JSON file ({error})") from None
+  except RecursionError:
+    raise ValueError(f"{path}: JSON nested too deeply to parse") from None
   records = data.get("generations") if isinstance(data, dict) else None
   if not isinstance(records, list):
     raise ValueError(f'{path}: expected {{"generations": [records]}}, got '
@@ -112,9 +203,13 @@ def read_generation_file(path: str | pathlib.Path) -> list[dict[str, Any]]:
   for i, record in enumerate(records):
     if not isinstance(record, dict):
       raise ValueError(f"{path}: generations[{i}] is a {type(record).__name__}, not a record")
-    if not isinstance(record.get("generations", ""), str):
-      raise ValueError(f"{path}: generations[{i}].generations is a "
-                       f"{type(record['generations']).__name__}, not the completion's text")
+    for field, types in _RECORD_FIELDS.items():
+      if field in record and not isinstance(record[field], types):
+        what = "the completion's text" if field == "generations" else (
+            "text" if types == (str,) else "a string, number, list or null")
+        kind = type(record[field]).__name__
+        raise ValueError(f"{path}: generations[{i}].{field} is "
+                         f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}, not {what}")
   return records
 
 
@@ -133,11 +228,12 @@ def score_generation_files(paths: Sequence[str | pathlib.Path],
                            skipped: list[str] | None = None) -> dict[str, SetupResult]:
   """Scores files and directories of d1 generation files; one result per setup, sorted.
 
-  A file that cannot be scored (unreadable, malformed, an unknown task prefix) is skipped and
-  its reason, naming it, appended to ``skipped``; without ``skipped`` it raises ValueError.
+  A file that cannot be scored (not a regular file, unreadable, malformed, an unknown task
+  prefix, a record its task cannot score) is skipped whole and its reason, naming it, appended
+  to ``skipped``; the other files are scored. Without ``skipped`` it raises ValueError.
   """
   results: dict[str, SetupResult] = {}
-  for path in generation_files(paths):
+  for path in generation_files(paths, skipped):
     setup = setup_of(path)
     try:
       try:
@@ -145,12 +241,22 @@ def score_generation_files(paths: Sequence[str | pathlib.Path],
       except KeyError as error:  # An unknown task prefix.
         raise ValueError(f"{path}: {error.args[0]}") from None
       records = read_generation_file(path)
+      file_result = SetupResult()
+      for i, record in enumerate(records):
+        try:
+          score_records(task, [record], file_result)
+        except Exception as error:  # pylint: disable=broad-except
+          # A task's scorer on a value of the wrong kind (a countdown ground truth of strings,
+          # a sudoku one of a number): the file is named, never the end of the run.
+          raise ValueError(f"{path}: generations[{i}] cannot be scored as {task.name} "
+                           f"({type(error).__name__}: {error})") from None
     except ValueError as error:
-      if skipped is None:
-        raise
-      skipped.append(str(error))
+      _problem(skipped, error)
       continue
-    score_records(task, records, results.setdefault(setup, SetupResult()))
+    total = results.setdefault(setup, SetupResult())
+    total.correct += file_result.correct
+    total.total += file_result.total
+    total.n += file_result.n
   return dict(sorted(results.items()))
 
 
@@ -192,7 +298,8 @@ def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | Non
            ) -> dict[str, SetupResult]:
   """Scores `paths`, prints the table and, given `output`, writes {setup: {accuracy, n}} there.
 
-  Files that cannot be scored are skipped and listed on stderr.
+  Paths that cannot be scored (see `score_generation_files`) are skipped: each is named on
+  stderr with its reason, then their count; every other file is scored.
 
   Raises:
     ValueError: no generation file under `paths` could be scored.
@@ -201,6 +308,10 @@ def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | Non
   results = score_generation_files(paths, skipped)
   for reason in skipped:
     print(f"skipped {reason}", file=sys.stderr)
+  if skipped:
+    print(f"skipped {len(skipped)} path{'s' if len(skipped) > 1 else ''}; scored "
+          f"{sum(result.n for result in results.values())} items of {len(results)} "
+          f"setup{'s' if len(results) != 1 else ''}", file=sys.stderr)
   if not results:
     raise ValueError(f"no scorable *_SHARD_generations.json files in "
                      f"{', '.join(map(str, paths))}" + (f" ({len(skipped)} skipped)"

@@ -279,3 +279,105 @@ def test_evaluate_checks_its_output_directory_before_decoding(run, tmp_path):
        "sudoku", "--output_dir", str(blocker / "out")], capture_output=True, text=True,
       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 1 and "--output_dir" in out.stderr and "not writable" in out.stderr
+
+
+# ---------------------------------------------------------------------------
+# The scoring CLI never stops on one file (issue #27).
+# ---------------------------------------------------------------------------
+
+
+def _hostile_generation_files(directory):
+  """A good countdown file and, named like generation files, every kind of bad one.
+
+  Returns (the good file's setup, {path: a phrase its skip reason must hold}).
+  """
+  record = {"question": "q", "generations": "\\boxed{2 * 3}", "ground_truth": [[2, 3], 6]}
+  _generations(directory / "countdown_m_8_4_0_generations.json", {"generations": [record]})
+  _generations(directory / "countdown_m_8_4_1_generations.json",
+               {"generations": [dict(record, generations="\\boxed{2 + 3}")]})
+  bad = {}
+  deep = directory / "countdown_m_8_4_2_generations.json"
+  _generations(deep, '{"generations": ' + "[" * 100_000 + "]" * 100_000 + "}")
+  bad[deep] = "nested too deeply"
+  wrong_type = directory / "countdown_m_8_4_3_generations.json"
+  _generations(wrong_type, {"generations": [dict(record, question=7)]})
+  bad[wrong_type] = "generations[0].question is an int, not text"
+  unscorable = directory / "countdown_m_8_4_4_generations.json"
+  _generations(unscorable, {"generations": [record, dict(record, ground_truth=[["a"], "b"])]})
+  bad[unscorable] = "generations[1] cannot be scored as countdown"
+  fifo = directory / "countdown_m_8_4_5_generations.json"
+  os.mkfifo(fifo)
+  bad[fifo] = "a FIFO, not a regular file"
+  device = directory / "countdown_m_8_4_6_generations.json"
+  device.symlink_to("/dev/null")
+  bad[device] = "a character device, not a regular file"
+  folder = directory / "countdown_m_8_4_7_generations.json"
+  folder.mkdir()
+  bad[folder] = "a directory, not a regular file"
+  dangling = directory / "countdown_m_8_4_8_generations.json"
+  dangling.symlink_to(directory / "nowhere")
+  bad[dangling] = "cannot be read"
+  binary = directory / "countdown_m_8_4_9_generations.json"
+  binary.write_bytes(b"\xff\xfe\x00{")
+  bad[binary] = "not UTF-8"
+  return "countdown_m_8_4", bad
+
+
+def _scoring_cli(*args, timeout=120):
+  """The CLI in a subprocess: a read that blocks (a FIFO) fails the test instead of hanging it."""
+  return subprocess.run([sys.executable, "-m", "stabledrl_jax.scoring", *map(str, args)],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_the_scoring_cli_scores_every_good_file_past_hostile_ones(tmp_path):
+  setup, bad = _hostile_generation_files(tmp_path)
+  output = tmp_path / "results.json"
+  out = _scoring_cli(tmp_path, "--output", output)
+  assert out.returncode == 0, out.stderr
+  assert "Traceback" not in out.stderr
+  # Both good shards pooled: one right, one wrong.
+  assert json.loads(output.read_text()) == {setup: {"accuracy": 50.0, "n": 2}}
+  lines = out.stderr.splitlines()
+  for path, reason in bad.items():
+    named = [line for line in lines if line.startswith(f"skipped {path}: ")]
+    assert len(named) == 1 and reason in named[0], (path, out.stderr)
+  assert f"skipped {len(bad)} paths; scored 2 items of 1 setup" in out.stderr
+
+
+def test_the_scoring_cli_never_opens_a_fifo_named_on_the_command_line(tmp_path):
+  fifo = tmp_path / "gsm8k_m_8_4_0_generations.json"
+  os.mkfifo(fifo)
+  good = _generations(tmp_path / "gsm8k_m_8_4_1_generations.json", {"generations": [
+      {"question": "q", "generations": "\\boxed{18}", "ground_truth": 18.0}]})
+  (tmp_path / "results.txt").write_text("not a generation file")
+  out = _scoring_cli(fifo, good, tmp_path / "missing_0_generations.json",
+                     tmp_path / "results.txt")
+  assert out.returncode == 0, out.stderr
+  assert f"skipped {fifo}: a FIFO, not a regular file" in out.stderr
+  assert f"skipped {tmp_path / 'missing_0_generations.json'}: no such file" in out.stderr
+  assert f"skipped {tmp_path / 'results.txt'}: not named TASK_" in out.stderr
+  assert "gsm8k_m_8_4" in out.stdout and "100.00" in out.stdout
+  # Nothing scorable at all: one line naming the FIFO, exit status 2 (argparse's).
+  alone = _scoring_cli(fifo)
+  assert alone.returncode == 2 and "Traceback" not in alone.stderr
+  assert f"skipped {fifo}: a FIFO" in alone.stderr and "no scorable" in alone.stderr
+
+
+def test_an_unreadable_generation_file_is_skipped_and_named(tmp_path, monkeypatch, capsys):
+  """Permission denied (simulated: the suite may run as root, which reads any file)."""
+  _generations(tmp_path / "gsm8k_m_8_4_0_generations.json", {"generations": [
+      {"question": "q", "generations": "\\boxed{18}", "ground_truth": 18.0}]})
+  locked = _generations(tmp_path / "gsm8k_m_8_4_1_generations.json", {"generations": []})
+  real_open = os.open
+
+  def guarded_open(path, flags, *args, **kwargs):
+    if os.fspath(path) == str(locked):
+      raise PermissionError(13, "Permission denied", str(path))
+    return real_open(path, flags, *args, **kwargs)
+
+  monkeypatch.setattr(os, "open", guarded_open)
+  assert scoring.main([str(tmp_path)]) == 0
+  out = capsys.readouterr()
+  assert f"skipped {locked}: cannot be read (Permission denied)" in out.err
+  assert "skipped 1 path; scored 1 items of 1 setup" in out.err and "100.00" in out.out

@@ -2,6 +2,7 @@
 d1 evaluation protocol's extraction rules."""
 
 import fractions
+import functools
 import math
 import re
 import signal
@@ -669,8 +670,8 @@ def test_correct_answers_stay_correct_off_the_main_thread(_math_verify_helper):
            ("(x+1)^2", "x^2+2x+1", True), ("2x+3", "2(x+1)", False)]
   for prediction, reference, equal in pairs:
     on_main = math_equivalence.symbolic_equivalent(prediction, reference)
-    off_main, _ = _on_a_thread(
-        lambda: math_equivalence.symbolic_equivalent(prediction, reference))  # pylint: disable=cell-var-from-loop
+    off_main, _ = _on_a_thread(functools.partial(math_equivalence.symbolic_equivalent,
+                                                 prediction, reference))
     assert on_main is off_main is equal, (prediction, reference)
   value, _ = _on_a_thread(lambda: task_rewards.math_verify_reward("\\boxed{0.5}",
                                                                   "Thus \\boxed{\\frac{1}{2}}."))

@@ -114,3 +114,20 @@ def test_cli_module_prints_table_and_writes_json(tmp_path):
       cwd=REPO_ROOT, capture_output=True, text=True, check=True)
   assert "gsm8k_tiny_8_4" in completed.stdout and "100.00" in completed.stdout
   assert json.loads(output.read_text()) == {"gsm8k_tiny_8_4": {"accuracy": 100.0, "n": 1}}
+
+
+def test_a_file_named_twice_is_scored_once_and_bad_paths_raise_without_a_skip_list(tmp_path):
+  example = tasks.Example("q", 2.0)
+  _write(tmp_path, "gsm8k_tiny_8_4_0_generations.json", [(example, "\\boxed{2}")])
+  named = tmp_path / "gsm8k_tiny_8_4_0_generations.json"
+  results = scoring.score_generation_files([tmp_path, named, tmp_path / "." / named.name])
+  assert results["gsm8k_tiny_8_4"].n == 1
+  with pytest.raises(FileNotFoundError, match="missing_0_generations.json"):
+    scoring.score_generation_files([tmp_path / "missing_0_generations.json"])
+  bad = tmp_path / "gsm8k_tiny_8_4_1_generations.json"
+  bad.write_text(json.dumps({"generations": [{"question": ["q"], "generations": "2"}]}))
+  with pytest.raises(ValueError, match=r"generations\[0\]\.question is a list, not text"):
+    scoring.score_generation_files([tmp_path])
+  skipped = []
+  assert scoring.score_generation_files([tmp_path], skipped)["gsm8k_tiny_8_4"].n == 1
+  assert skipped == [f"{bad}: generations[0].question is a list, not text"]

@@ -190,8 +190,9 @@ def math_reward(completion: str, answer: str, *, use_math_verify: bool = True,
   Equivalence: equal after MATH normalization, or (when math-verify is installed and
   `use_math_verify`) symbolically equal within `symbolic_deadline_s` seconds of CPU time, on any
   thread; see `math_equivalence`. Only well-formed, small answers reach sympy
-  (`safe_for_symbolic`), so garbled text costs nothing; the deadline is a last resort. The symbolic check only ever adds matches to the
-  normalized one. The first call imports and warms up math-verify (about a second, once).
+  (`safe_for_symbolic`), so garbled text costs nothing; the deadline is a last resort. The
+  symbolic check only ever adds matches to the normalized one. The first call imports and warms
+  up math-verify (about a second, once).
   """
   reference = math_reference(answer)
   if extraction.oversized(completion):
