@@ -168,10 +168,11 @@ def model_config(shape: dict, *, smoke: bool, attention: str | None,
                  train: bool = True) -> models.ModelConfig:
   """The check's model: bf16 compute on float32 weights, remat (train rows) and scanned layers
   as the paper configs; ``attention`` when the config has the field. --smoke: float32 compute,
-  neither remat nor scan (they triple the toy's compile time on CPU; the values are the same).
+  neither remat nor scan (they slow the toy's CPU compile; the values are the same).
 
-  The sampler's model has no remat: it takes no gradient, and ``sampling.generate(cache=
-  "none")`` of a remat model fails with flax's TraceContextError (the report's known issue)."""
+  The sampler's model has no remat: it takes no gradient, and at this writing
+  ``sampling.generate(cache="none")`` of a remat model fails with flax's TraceContextError
+  (the remat'd last block of ``encode(span=...)`` inside the sampler's loops)."""
   dtype = jnp.float32 if smoke else jnp.bfloat16
   fields = dict(shape["model"], param_dtype=jnp.float32, dtype=dtype, logits_dtype=jnp.float32,
                 remat=train and not smoke, scan_layers=not smoke)
@@ -517,7 +518,9 @@ def peer_rows(ctx: Context, peer: str, wanted: list[str], model, prompt) -> None
                             peer_traceback=data.get("traceback")))
       done = len(names)
     for job in (data or {}).get("jobs", [])[done:]:
-      row = peer_row(ctx, peer, job, model, failed_check)
+      row = peer_row(ctx, peer, job, model)
+      row.update(torch=data.get("torch"), transformers=data.get("transformers"),
+                 peer_device=data.get("device"))
       if job["kind"] == "logits" and row["status"] != "ok":
         failed_check = row.get("reason")
       ctx.report.add(row)
@@ -564,7 +567,8 @@ def _tail(path: str) -> str:
     return "(none)"
 
 
-def peer_row(ctx: Context, peer: str, job: dict, model, failed_check) -> dict:
+def peer_row(ctx: Context, peer: str, job: dict, model) -> dict:
+  """The row of one finished peer job (the logits job: compared with ours here)."""
   name = job["name"]
   base = dict(row=name, peer=peer, dtype=job.get("dtype"))
   if job["status"] != "ok":

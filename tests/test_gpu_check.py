@@ -213,3 +213,18 @@ def test_unwritable_output_is_a_one_line_error(tmp_path):
   result = run_check(f"--output={blocker / 'sub' / 'x.json'}", "--rows=env")
   assert result.returncode == 2
   assert "--output" in result.stderr.splitlines()[-1] and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_peer_timing_rows_are_skipped_when_the_logits_disagree(tmp_path):
+  peers_dir, python = _peer_setup()
+  out = tmp_path / "peers.json"
+  # A tolerance of 0 fails any float32 comparison: the stand-in for a peer computing otherwise.
+  result = run_check(f"--output={out}", f"--peers_dir={peers_dir}", f"--peer_python={python}",
+                     "--rows=peer_logits_official,peer_sampler_official", "--logits_tol=0")
+  assert result.returncode == 1  # a failed row
+  rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+  assert rows["peer_logits_official"]["status"] == "failed"
+  assert "logits disagree" in rows["peer_logits_official"]["reason"]
+  assert rows["peer_sampler_official"]["status"] == "skipped"
+  assert "the logits check failed" in rows["peer_sampler_official"]["reason"]
