@@ -357,6 +357,10 @@ class _DeadlineExceeded(BaseException):
   """Raised by the timer signal; a BaseException so library `except Exception` cannot eat it."""
 
 
+class _NoSignals(RuntimeError):
+  """This thread cannot run a signal deadline (not the main thread, or signals refused)."""
+
+
 def _signals_usable() -> bool:
   """Whether this thread can run a signal deadline (the main thread, on a POSIX system)."""
   return (hasattr(signal, "setitimer")
@@ -373,11 +377,11 @@ def _call_with_deadline(function, seconds: float, *, wall_factor: float = WALL_F
   `safe_for_symbolic` keeps such work out. A timer the caller had armed is restored after.
 
   Raises:
-    RuntimeError: not in the main thread (`bounded_call` hands the work to a helper process
-    there).
+    _NoSignals: not in the main thread, or signals refused (`bounded_call` hands the work to a
+    helper process then).
   """
   if not _signals_usable():
-    raise RuntimeError("a signal deadline needs the main thread")
+    raise _NoSignals("a signal deadline needs the main thread")
   start_cpu, start_wall = time.thread_time(), time.monotonic()
   wall_cap = seconds * wall_factor
   armed = [True]
@@ -395,7 +399,10 @@ def _call_with_deadline(function, seconds: float, *, wall_factor: float = WALL_F
       raise _DeadlineExceeded()
     signal.setitimer(signal.ITIMER_REAL, max(min(seconds - used, wall_cap - elapsed), 1e-3))
 
-  previous_handler = signal.signal(signal.SIGALRM, on_alarm)
+  try:
+    previous_handler = signal.signal(signal.SIGALRM, on_alarm)
+  except ValueError as error:  # the main thread of a sub-interpreter
+    raise _NoSignals(str(error)) from None
   previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
   try:
     return function()
@@ -424,6 +431,8 @@ def run_bounded_here(kind: str, args, budget_s: float):
     return _call_with_deadline(lambda: work(module, *args), budget_s)
   except _DeadlineExceeded:
     return None
+  except _NoSignals:
+    raise
   except Exception:  # pylint: disable=broad-except
     # math-verify / sympy raise a wide variety of errors on odd input; a reward must not.
     return None
@@ -439,7 +448,7 @@ def bounded_call(kind: str, args, budget_s: float):
   if _signals_usable():
     try:
       return run_bounded_here(kind, args, budget_s)
-    except ValueError:  # signal.signal refused (the main thread of a sub-interpreter).
+    except _NoSignals:
       pass
   from stabledrl_jax.rewards import symbolic_worker  # pylint: disable=g-import-not-at-top
   return symbolic_worker.POOL.call(kind, list(args), budget_s)

@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -228,6 +229,8 @@ def main() -> None:
   # and fd 1 goes to stderr.
   protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
   os.dup2(2, 1)
+  # Ctrl-C is the parent's to handle; the helper ends when its stdin closes.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   math_equivalence.warm_up()
   protocol.write(json.dumps({"ready": True}) + "\n")
   protocol.flush()
