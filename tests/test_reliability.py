@@ -282,6 +282,146 @@ def test_evaluate_checks_its_output_directory_before_decoding(run, tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# 7. Files in the workdir: never followed out of it, never half-written, every failed write
+#    one line naming its file; a run that trained nothing says so.
+# ---------------------------------------------------------------------------
+
+
+def test_a_symlinked_lock_is_replaced_and_what_it_points_to_left_alone(tmp_path):
+  outside = tmp_path / "outside.txt"
+  outside.write_text("precious")
+  workdir = tmp_path / "workdir"
+  workdir.mkdir()
+  lock_path = workdir / checkpointing.WorkdirLock.NAME
+  lock_path.symlink_to(outside)
+  lock = checkpointing.WorkdirLock(workdir)
+  assert not lock_path.is_symlink() and json.loads(lock_path.read_text())["pid"] == os.getpid()
+  lock.touch()
+  lock.release()
+  assert not lock_path.exists() and outside.read_text() == "precious"
+  # A link to a live owner's lock elsewhere is not that owner's lock either: never read.
+  outside.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                 "started": 0}))
+  lock_path.symlink_to(outside)
+  checkpointing.WorkdirLock(workdir).release()
+  assert json.loads(outside.read_text())["pid"] == os.getppid()
+  assert sorted(p.name for p in workdir.iterdir()) == []  # No staging file left.
+
+
+def _train_cli(workdir, *flags):
+  return subprocess.run(
+      [sys.executable, "-m", "stabledrl_jax.train", "--config", "quickstart", "--workdir",
+       str(workdir), *flags], capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_a_lock_that_is_a_directory_is_one_line_naming_it(tmp_path):
+  (tmp_path / checkpointing.WorkdirLock.NAME).mkdir()
+  out = _train_cli(tmp_path)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and f"{tmp_path / 'LOCK'} is a directory" in lines[0], out.stderr
+  assert (tmp_path / "LOCK").is_dir() and not (tmp_path / "config.json").exists()
+
+
+def test_a_read_only_workdir_names_the_file(tmp_path, monkeypatch):
+  """As a read-only mount answers (the tests may run as root, whom chmod does not stop)."""
+  import errno  # pylint: disable=g-import-not-at-top
+  real_open = os.open
+
+  def read_only(path, flags, *args, **kwargs):
+    if str(path).startswith(str(tmp_path)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+      raise PermissionError(errno.EROFS, "Read-only file system", str(path))
+    return real_open(path, flags, *args, **kwargs)
+
+  monkeypatch.setattr(os, "open", read_only)
+  with pytest.raises(checkpointing.WorkdirError,
+                     match=rf"^cannot write {tmp_path / 'LOCK'}: Read-only file system$"):
+    trainer.Trainer(_quick(), str(tmp_path))
+  assert list(tmp_path.iterdir()) == []
+
+
+def _full_disk_after(monkeypatch, cls, name, where):
+  """``cls.name`` (a write) writes half of what it is given under ``where``, then fails as a
+  full disk does."""
+  import errno  # pylint: disable=g-import-not-at-top
+  real = getattr(cls, name)
+
+  def full(self, data, *args, **kwargs):
+    if str(where) in str(self):
+      real(self, data[: len(data) // 2], *args, **kwargs)
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, data, *args, **kwargs)
+
+  monkeypatch.setattr(cls, name, full)
+
+
+def test_a_full_disk_while_the_supervised_start_is_written_leaves_no_half_start(tmp_path,
+                                                                                 monkeypatch):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  _full_disk_after(monkeypatch, type(epath.Path(tmp_path)), "write_bytes", tmp_path)
+  config = tiny_config(**{"sft.num_steps": 2, "train.num_steps": 0})
+  with pytest.raises(checkpointing.WorkdirError,
+                     match=rf"^cannot write {tmp_path / trainer.SFT_DIR}: no space left"):
+    trainer.train(config, str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sft_progress"]
+  monkeypatch.undo()  # Space again: the rerun fits and writes the start.
+  trainer.train(config, str(tmp_path))
+  assert (tmp_path / trainer.SFT_DIR / "config.json").exists()
+  assert not (tmp_path / f"{trainer.SFT_DIR}.tmp").exists()
+
+
+def test_a_full_disk_while_a_checkpoint_is_written_names_it(tmp_path, monkeypatch):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  _full_disk_after(monkeypatch, type(epath.Path(tmp_path)), "write_text",
+                   tmp_path / checkpointing.CHECKPOINT_DIR)
+  with pytest.raises(checkpointing.WorkdirError,
+                     match=rf"^cannot write {tmp_path / checkpointing.CHECKPOINT_DIR}\S*: no "
+                           "space left"):
+    trainer.train(_quick(), str(tmp_path))
+  assert not (tmp_path / checkpointing.WorkdirLock.NAME).exists()
+  assert checkpointing.Checkpointer(tmp_path, read_only=True).all_steps() == []
+
+
+def test_a_run_whose_every_step_skipped_fails_under_max_consecutive_skips(tmp_path):
+  """Every update non-finite, fewer in a row than the limit: no checkpoint, an error."""
+  config = _quick(**{"objective.name": "nan_test", "train.max_consecutive_skips": 100})
+  with pytest.raises(trainer.TooManySkipsError,
+                     match=r"all 2 steps of this run skipped every update.*No checkpoint"):
+    trainer.train(config, str(tmp_path))
+  assert checkpointing.Checkpointer(tmp_path, read_only=True).all_steps() == []
+  assert not (tmp_path / checkpointing.WorkdirLock.NAME).exists()
+
+
+@pytest.mark.slow
+def test_two_damaged_checkpoints_in_a_row_fall_back_without_orbax_noise(run, tmp_path):
+  """Step 3 truncated, step 2 missing an item: both set aside, one line each, the run resumes
+  from step 1, and stderr has no orbax noise (asyncio's 'Event loop is closed')."""
+  workdir = _copy(run, tmp_path)
+  trainer.train(_quick(**{"train.num_steps": 3, "checkpoint.max_to_keep": 3}), str(workdir))
+  assert checkpointing.Checkpointer(workdir, read_only=True).all_steps() == [1, 2, 3]
+  for path in (workdir / "checkpoints" / "3" / "state").rglob("*"):
+    if path.is_file() and path.stat().st_size > 64:
+      path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  shutil.rmtree(workdir / "checkpoints" / "2" / "meta")
+  out = _train_cli(workdir, "--config.sft.num_steps=0", "--config.train.num_steps=4",
+                   "--config.train.num_iterations=1", "--config.data.train_size=64",
+                   "--config.data.eval_size=8", "--config.rollout.num_prompts=2",
+                   "--config.rollout.group_size=4", "--config.rollout.steps=10",
+                   "--config.eval.every_steps=0", "--config.checkpoint.every_steps=1",
+                   "--config.checkpoint.max_to_keep=3")
+  assert out.returncode == 0, out.stderr[-3000:]
+  warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
+  assert [w.split(" is damaged")[0] for w in warnings] == [
+      "warning: checkpoint step 3", "warning: checkpoint step 2"], out.stderr[-3000:]
+  assert all(w.endswith("resuming from step 1") for w in warnings), warnings
+  assert "Event loop is closed" not in out.stderr and "Traceback" not in out.stderr
+  assert sorted(p.name for p in (workdir / checkpointing.DAMAGED_DIR).iterdir()) == ["2", "3"]
+  assert [r["step"] for r in metrics_writer.read_metrics(workdir / "metrics.jsonl")][-3:] == [
+      2, 3, 4]
+
+
+# ---------------------------------------------------------------------------
 # The scoring CLI never stops on one file (issue #27).
 # ---------------------------------------------------------------------------
 
@@ -381,3 +521,33 @@ def test_an_unreadable_generation_file_is_skipped_and_named(tmp_path, monkeypatc
   out = capsys.readouterr()
   assert f"skipped {locked}: cannot be read (Permission denied)" in out.err
   assert "skipped 1 path; scored 1 items of 1 setup" in out.err and "100.00" in out.out
+
+
+def test_orbax_closed_loop_noise_is_dropped_and_nothing_else(tmp_path, monkeypatch):
+  """The unraisable "Event loop is closed" of a callback that reaches a closed loop (what the
+  futures of a failed orbax save or restore leave behind) is not printed; other unraisable
+  errors still are."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", seen.append)
+  checkpointing.Checkpointer(tmp_path, read_only=True).close()  # Installs the filter.
+  loop = asyncio.new_event_loop()
+  loop.close()
+
+  class Late:
+    def __init__(self, action):
+      self.action = action
+
+    def __del__(self):
+      self.action()
+
+  def other():
+    raise RuntimeError("something else")
+
+  Late(lambda: loop.call_soon_threadsafe(print))
+  gc.collect()
+  assert seen == []
+  Late(other)
+  gc.collect()
+  assert [str(u.exc_value) for u in seen] == ["something else"]

@@ -20,7 +20,9 @@ import json
 import os
 import socket
 import stat
+import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -90,6 +92,34 @@ def resolve_workdir(workdir: epath.PathLike) -> epath.Path:
   return path
 
 
+def _closed_loop_noise(unraisable) -> bool:
+  """Whether an unraisable exception is asyncio's "Event loop is closed" from
+  ``call_soon_threadsafe``: after an orbax save or restore fails inside its event loop, the
+  futures it was awaiting (tensorstore's) still complete, on their own threads, and their
+  callbacks find the loop that awaited them closed. Nothing is lost; the failure itself was
+  raised (and reported) where it happened."""
+  error = unraisable.exc_value
+  if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
+    return False
+  frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
+  return "call_soon_threadsafe" in frames
+
+
+def _quiet_closed_loops() -> None:
+  """Drops ``_closed_loop_noise`` before ``sys.unraisablehook`` prints it (installed once,
+  over whatever hook is set then)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_stabledrl_quiet", False):
+    return
+
+  def hook(unraisable):
+    if not _closed_loop_noise(unraisable):
+      previous(unraisable)
+
+  hook._stabledrl_quiet = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+
+
 class Checkpointer:
   """Asynchronous saves of (state, meta) into ``<workdir>/checkpoints``, keeping the last N.
 
@@ -101,6 +131,7 @@ class Checkpointer:
   def __init__(self, workdir: epath.PathLike, *, max_to_keep: int = 3, async_save: bool = True,
                read_only: bool = False, subdir: str = CHECKPOINT_DIR):
     self.directory = resolve_workdir(workdir) / subdir
+    _quiet_closed_loops()
     if jax.process_count() > 1:
       _use_distributed_barriers()
     if read_only:
@@ -184,10 +215,14 @@ class Checkpointer:
       self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for the saves in flight (``WorkdirError`` if one failed), then closes."""
     try:
       self.wait()
     finally:
-      self._manager.close()
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except
+        pass  # The failed save's own error again: ``wait`` raised it (or the save did).
 
 
 def abstract_like(tree: Any) -> Any:

@@ -446,7 +446,7 @@ class Trainer:
         meta = self.checkpointer.restore_meta(step)
         shapes = self.checkpointer.stored_shapes(step)
       except Exception as error:  # pylint: disable=broad-except
-        damaged.append((step, f"its metadata cannot be read ({type(error).__name__}: {error})"))
+        damaged.append((step, f"its metadata cannot be read ({_one_line(error)})"))
         continue
       if "config" in meta:
         checkpointing.check_resume(self.config, meta["config"], where)
@@ -463,7 +463,7 @@ class Trainer:
       try:
         restored, meta = self.checkpointer.restore(step, item)
       except Exception as error:  # pylint: disable=broad-except
-        damaged.append((step, f"it cannot be restored ({type(error).__name__}: {error})"))
+        damaged.append((step, f"it cannot be restored ({_one_line(error)})"))
         continue
       if item is legacy:
         restored = state.replace(**restored)
@@ -852,6 +852,11 @@ class Trainer:
     if self.writer is not None:
       with checkpointing.writing(self.workdir / "metrics.jsonl"):
         self.writer.write(step, metrics)
+
+
+def _one_line(error: BaseException) -> str:
+  """``error``'s type and message on one line (tensorstore's span many), at most 300 chars."""
+  return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
 def _ratio_noise(variances: list[float]) -> dict[str, float]:
