@@ -84,8 +84,12 @@ def test_the_config_field_reaches_the_model_config():
   config.model.attention = "splash"
   assert specs.model_config(config).attention == "splash"
   config.model.attention = "flash"
-  with pytest.raises(ValueError, match=r"model\.attention: 'flash'"):
-    specs.validate(config)
+  for checkpoint in ("", "/some/checkpoint"):  # Caught before any checkpoint is read.
+    config.model.checkpoint = checkpoint
+    with pytest.raises(ValueError, match=r"^config\.model\.attention: 'flash' is not one of "
+                                         r"auto, xla, splash, cudnn") as error:
+      specs.validate(config)
+    assert "\n" not in str(error.value)
 
 
 def _abstract_mesh(platform):

@@ -328,8 +328,9 @@ SPLASH_TILE = 128
 
 
 def check_attention(config: Any) -> None:
-  """``config.attention`` is one of ATTENTION_IMPLS; else a ValueError naming model.attention."""
-  value = getattr(config, "attention")
+  """``config.attention`` is one of ATTENTION_IMPLS; else a ValueError naming model.attention.
+  (A config class without the field, a plugin's, has nothing to check.)"""
+  value = getattr(config, "attention", "xla")
   if value not in ATTENTION_IMPLS:
     raise ValueError(f"model.attention: {value!r} is not one of {', '.join(ATTENTION_IMPLS)} "
                      f"({type(config).__name__}.attention)")

@@ -20,6 +20,7 @@ import ml_collections
 
 from stabledrl_jax import hub, losses, tasks
 from stabledrl_jax.models import family as family_lib
+from stabledrl_jax.models import layers
 from stabledrl_jax.training import data, rl_loss
 
 # Estimator fields that, left unset (None or ''), take the objective's official value
@@ -224,6 +225,9 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Famil
   config (None for a checkpoint, whose config is known once it is loaded)."""
   family = family_lib.get(config.model.family)
   family_lib.resolve_overrides(family, dict(config.model.overrides))
+  attention = config.model.get("attention", "")
+  _require(attention in ("",) + layers.ATTENTION_IMPLS, "model.attention",
+           f"{attention!r} is not one of {', '.join(layers.ATTENTION_IMPLS)} ('' = auto)")
   if config.model.checkpoint:
     return family, None
   _require(config.model.name in family.config_names, "model.name",
