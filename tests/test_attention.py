@@ -209,6 +209,10 @@ def test_sdar_block_causal_and_a_span():
   start = jnp.int32(4)
   _compare(config, lambda m: m.unembed(m.encode(tokens, mask, span=(start, 4))),
            weights[:, 4:8], "sdar span")
+  splash_model = models.init_model(config.replace(attention="splash"))
+  with pytest.raises(ValueError, match=r"^model.attention='splash': a span of queries must "
+                                       r"start on a block boundary"):
+    splash_model.encode(tokens, mask, span=(2, 4))
 
 
 def test_sdar_staircase():

@@ -82,6 +82,17 @@ def _cached_layout(q, k_prefix, v_prefix, prefix_visible, k_own, v_own, own_keep
                                  query_keep=own_keep, dtype=dtype)
 
 
+def _check_kernel_span(config: SDARConfig, span: tuple[Array | int, int]) -> None:
+  """A kernel's span (`_BlockCausal`) must start on a block boundary: checked where the start
+  is a Python or numpy int (a traced start, the block sampler's, is one by construction)."""
+  start = span[0]
+  if (layers.attention_impl(config.attention, config.dtype) != "xla"
+      and isinstance(start, (int, np.integer)) and start % config.block_size):
+    raise ValueError(f"model.attention={config.attention!r}: a span of queries must start on a "
+                     f"block boundary (a multiple of block_size={config.block_size}), got "
+                     f"start={int(start)}; use attention='xla' for other starts")
+
+
 @dataclasses.dataclass(frozen=True)
 class _BlockCausal:
   """aux = (q_positions [T'], k_positions [T], key_mask [B, T] or None).
@@ -351,6 +362,7 @@ class SDAR(nnx.Module):
     kernel = _BlockCausal(self.config.block_size, self.config.dtype, self.config.attention)
     auxes = [(positions, positions, key_mask)] * len(self.layers)
     if span is not None:
+      _check_kernel_span(self.config, span)
       auxes[-1] = (span[0] + jnp.arange(span[1]), positions, key_mask)
     x, _ = self._stack(self.embed_tokens(tokens), cos, sin, kernel, auxes, last_span=span,
                        keep_kv=False)
