@@ -22,6 +22,7 @@ setuptools.setup(
             "stabledrl-evaluate = stabledrl_jax.evaluate:run_cli",
             "stabledrl-score = stabledrl_jax.scoring:main",
             "stabledrl-export = stabledrl_jax.export:run",
+            "stabledrl-plan = stabledrl_jax.plan:run",
         ],
     },
     install_requires=[

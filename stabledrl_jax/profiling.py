@@ -1,6 +1,6 @@
 """What a jitted computation costs: wall time (warm, interleaved) and memory (XLA's, the device's).
 
-Used by the benchmarks in `experiments/` and by `experiments/memory_plan.py`.
+Used by the benchmarks in `experiments/` and by the plan command (`stabledrl_jax/plan.py`).
 
     timings = time_interleaved({"a": fn_a, "b": fn_b}, repeats=3)
     timings.median["a"], timings.best["b"], timings.first_call["a"]    # seconds
@@ -132,3 +132,119 @@ def rl_step_flops(num_params: int, *, rollout_positions: float, scored_positions
   """
   forward = rollout_positions + num_scorings * scored_positions
   return 2.0 * num_params * forward + 6.0 * num_params * num_updates * scored_positions
+
+
+# Peak dense bf16 FLOP/s of one chip of each TPU generation, by the generation's topology name
+# (`stabledrl_jax.plan`'s time projections; the same vendor figures as PEAK_FLOPS).
+TPU_CHIP_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+
+
+def _flops_shapes(model_cfg: Any) -> Any:
+  """A model config in the field names of ``models.llada.flops`` (LLaDA's: SDAR's Qwen3 shapes
+  renamed), with remat off: model FLOPs count no recomputation."""
+  import types  # pylint: disable=g-import-not-at-top
+  if hasattr(model_cfg, "d_model"):
+    return dataclasses.replace(model_cfg, remat=False)
+  return types.SimpleNamespace(
+      d_model=model_cfg.hidden_size, n_layers=model_cfg.num_hidden_layers,
+      n_heads=model_cfg.num_attention_heads, n_kv_heads=model_cfg.num_key_value_heads,
+      head_dim=model_cfg.head_dim, mlp_hidden_size=model_cfg.intermediate_size,
+      embedding_size=model_cfg.vocab_size, remat=False)
+
+
+def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[str, Any]:
+  """The analytic matmul FLOPs of one RL step of ``config`` (a trainer config), by part.
+
+  Counted with ``models.llada.flops`` (every matrix product at 2 FLOPs per multiply-add,
+  attention included; SDAR's Qwen3 blocks have the same products), for the P x G rollout rows of
+  L = prompt_length + gen_length positions:
+
+    rollout   the sampler's model calls, ``rollout.steps`` of them (the dynamic rules, threshold
+              and low_confidence_dynamic, stop earlier: an upper bound for them). LLaDA exact
+              (cache none): every call a pass over L, the last block and the head on the current
+              block; prefix/dual: each block's first call such a pass, its later calls KV-cached
+              (dual: the block's positions; prefix: from the block on). SDAR: one prefill of the
+              prompt, then per block its steps on the block's positions against the cache, plus
+              one pass committing the block's keys and values.
+    scoring   the forward-only likelihood passes before the updates (l_old when the objective
+              takes it, l_ref when it has a KL term): K MC samples each, one set per step
+              (mu sets with a coupled ratio). LLaDA: K passes over L, the last block and the head
+              on the completion; SDAR: one staircase pass over (K + 1) x L positions, each query
+              seeing about L / 2 keys.
+    updates   mu = ``train.num_iterations`` gradient passes over the same K samples: forward +
+              backward = 3 x the forward (``flops.TRAIN_MULTIPLIER``; no remat recomputation:
+              model FLOPs, as MFU counts them).
+
+  Not counted: elementwise work, the optimizer, reward scoring on the host.
+
+  Args:
+    config: the trainer config (``config_lib``); the model shapes from ``specs.model_config``.
+    cache: the sampler's cache (default ``rollout.cache``).
+
+  Returns:
+    {"rollout", "scoring", "updates", "total"}: FLOPs per step, and "sampler_calls",
+    "scoring_passes" (the sets of K), "num_samples" (K).
+  """
+  from stabledrl_jax.models.llada import flops  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import losses  # pylint: disable=g-import-not-at-top
+
+  model_cfg = specs.model_config(config)
+  shapes = _flops_shapes(model_cfg)
+  sdar = not hasattr(model_cfg, "d_model")
+  r = config.rollout
+  rows, prompt, gen = r.num_prompts * r.group_size, r.prompt_length, r.gen_length
+  length = prompt + gen
+  cache = r.get("cache", "none") if cache is None else cache
+  steps = r.steps
+  settings = specs.estimator_settings(config)
+  k = int(settings["num_samples"])
+  mu = int(config.train.num_iterations)
+  if sdar:
+    bs = model_cfg.block_size
+    blocks = -(-length // bs) - prompt // bs  # The blocks after the prompt's full ones.
+    per_block = max(steps // max(gen // bs, 1), 1)
+    rollout = flops.cached_forward_flops(shapes, rows, prompt, queries=prompt, logit_positions=0)
+    for j in range(blocks):
+      keys = (prompt // bs + j + 1) * bs
+      call = flops.cached_forward_flops(shapes, rows, keys, queries=bs, logit_positions=bs)
+      commit = flops.cached_forward_flops(shapes, rows, keys, queries=bs, logit_positions=0)
+      rollout += per_block * call + commit
+    positions = (k + 1) * length
+    blocks_fwd = shapes.n_layers * flops._block_flops(  # pylint: disable=protected-access
+        shapes, keys=length // 2, queries=positions, projected=positions)
+    head = flops.head_flops(shapes, k * gen)
+    forward = rows * (blocks_fwd + head)
+    train = flops.TRAIN_MULTIPLIER * forward
+  else:
+    block = r.block_length
+    num_blocks = gen // block
+    per_block = steps // num_blocks
+    full = flops.forward_flops(shapes, rows, length, span=block)
+    if cache == "none":
+      rollout = steps * full
+    else:
+      rollout = 0
+      for b in range(num_blocks):
+        queries = block if cache == "dual" else length - (prompt + b * block)
+        cached = flops.cached_forward_flops(shapes, rows, length, queries=queries,
+                                            logit_positions=block)
+        rollout += full + (per_block - 1) * cached
+    forward = k * flops.forward_flops(shapes, rows, length, span=gen)
+    train = k * flops.train_flops(shapes, rows, length, span=gen)
+  objective = losses.get_objective(config.objective.name)
+  sets = mu if settings.get("coupled_ratio") else 1
+  passes = sets * (int("old_logp" in objective.requires) + int(specs.uses_reference(config)))
+  out = dict(rollout=float(rollout), scoring=float(passes * forward), updates=float(mu * train))
+  out["total"] = out["rollout"] + out["scoring"] + out["updates"]
+  out.update(sampler_calls=int(steps), scoring_passes=int(passes), num_samples=k)
+  return out
+
+
+def projected_step_time(step_flops: float, chips: int, peak_per_chip: float,
+                        mfu: float) -> float:
+  """Seconds of a step of ``step_flops`` on ``chips`` chips of ``peak_per_chip`` FLOP/s at
+  model-FLOPs utilization ``mfu`` (a projection, not a measurement)."""
+  if not 0 < mfu <= 1:
+    raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+  return step_flops / (chips * peak_per_chip * mfu)

@@ -114,26 +114,30 @@ def test_benchmark_writes_rows_and_counts_flops(tmp_path):
 
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_memory_plan_shards_the_train_step_over_fake_devices(tmp_path, family):
+  """The deprecated script runs the plan command's planner (stabledrl_jax.plan) on XLA:CPU."""
   out = tmp_path / "plan.json"
   # The paper's step (one group of 16 completions per microbatch) at tiny size and short
   # sequences, on one device and on 8 fake ones.
-  run_script("memory_plan.py", f"--output={out}", "--model=tiny", f"--family={family}",
-             "--meshes=data=1;fsdp=8",
-             "--remat=false", "--microbatch_groups=1", "--set=rollout.prompt_length=32",
-             "--set=rollout.gen_length=64", "--set=train.num_steps=1",
-             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  done = run_script("memory_plan.py", f"--output={out}", "--model=tiny", f"--family={family}",
+                    "--meshes=data=1;fsdp=8",
+                    "--remat=false", "--microbatch_groups=1", "--set=rollout.prompt_length=32",
+                    "--set=rollout.gen_length=64", "--set=train.num_steps=1",
+                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert "deprecated" in done.stderr and "stabledrl_jax.plan" in done.stderr
   rows = json.loads(out.read_text())["rows"]
-  assert [r["mesh"] for r in rows] == ["1 device", "fsdp=8"]
+  assert [r["topology"] for r in rows] == ["cpu:1", "cpu:8"]
   for row in rows:
-    assert row["model"] == "tiny" and row["fits"] is True
-    assert isinstance(row["per_device_bytes"], int) and isinstance(row["device_bytes"], int)
-    assert row["per_device_bytes"] >= row["activations_bytes"] > 0
+    assert row["what"] == "train" and row["compiler"] == "cpu" and row["fits"] is True
+    assert row["settings"]["train.microbatch_groups"] == 1
+    assert row["settings"]["model.remat"] is False
+    assert isinstance(row["per_chip_bytes"], int) and isinstance(row["chip_bytes"], int)
+    assert row["per_chip_bytes"] == row["memory"]["total"] >= row["memory"]["temp"] > 0
   one, eight = rows
   # Each device holds an eighth of the state (tiny's shapes split 8 ways) and computes an eighth
   # of each microbatch's rows, although a microbatch has fewer groups (1) than devices (8).
   assert eight["parameters_bytes"] < one["parameters_bytes"] / 4
   assert eight["optimizer_bytes"] < one["optimizer_bytes"] / 4  # Adam's moments sharded too.
-  assert eight["activations_bytes"] < one["activations_bytes"] / 4
+  assert eight["memory"]["temp"] < one["memory"]["temp"] / 4
 
 
 def test_memory_plan_of_the_cached_sampler(tmp_path):
@@ -145,21 +149,21 @@ def test_memory_plan_of_the_cached_sampler(tmp_path):
              "--set=rollout.gen_length=64", "--set=train.num_steps=1",
              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   rows = json.loads(out.read_text())["rows"]
-  assert [(r["mesh"], r["cache"]) for r in rows] == [
-      (mesh, cache) for mesh in ("1 device", "fsdp=8") for cache in ("none", "prefix", "dual")]
+  assert [(r["topology"], r["settings"]["rollout.cache"]) for r in rows] == [
+      (mesh, cache) for mesh in ("cpu:1", "cpu:8") for cache in ("none", "prefix", "dual")]
   config = models.get_config("tiny")
   for row in rows:
-    devices = 8 if row["mesh"] == "fsdp=8" else 1
-    want = 0 if row["cache"] == "none" else (
+    devices = 8 if row["topology"] == "cpu:8" else 1
+    want = 0 if row["settings"]["rollout.cache"] == "none" else (
         2 * config.n_layers * row["rows"] // devices * row["positions"] * config.n_kv_heads
         * config.head_dim * 2)  # The paper config's bfloat16 activations.
     assert row["kv_cache_bytes"] == want and row["fits"] is True
-    assert row["per_device_bytes"] >= row["activations_bytes"] > 0
-  by = {(r["mesh"], r["cache"]): r for r in rows}
-  assert by["fsdp=8", "dual"]["activations_bytes"] < by["1 device", "dual"]["activations_bytes"] / 4
+    assert row["per_chip_bytes"] >= row["memory"]["temp"] > 0
+  by = {(r["topology"], r["settings"]["rollout.cache"]): r for r in rows}
+  assert by["cpu:8", "dual"]["memory"]["temp"] < by["cpu:1", "dual"]["memory"]["temp"] / 4
   failed = run_script("memory_plan.py", "--model=tiny", "--family=sdar", "--sampler",
-                      "--meshes=data=1", check=False)
-  assert failed.returncode != 0 and "has none" in failed.stderr
+                      "--caches=prefix", "--meshes=data=1", check=False)
+  assert failed.returncode != 0 and "the sdar sampler has ('none',)" in failed.stderr
 
 
 @pytest.mark.slow
