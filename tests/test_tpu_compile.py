@@ -7,7 +7,10 @@ fit a v5e chip (16 GiB) with positive bytes, and the splash kernel must be in th
 exactly where the attention is splash ('auto' on TPU).
 """
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +18,7 @@ pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[
                                      "test extra): no TPU compiler to compile for a topology")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from stabledrl_jax import tpu_compile
+from stabledrl_jax import libtpu_env, tpu_compile
 from stabledrl_jax.training import config_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -92,3 +95,31 @@ def test_an_unknown_topology_is_one_line():
   with pytest.raises(ValueError, match=r"^TPU topology 'v5e:3x7': ") as error:
     tpu_compile.topology_devices("v5e:3x7")
   assert "\n" not in str(error.value)
+
+
+def _fresh_env():
+  """This environment without what importing stabledrl_jax set, nor a platform choice."""
+  return {k: v for k, v in os.environ.items()
+          if k not in libtpu_env.QUIET_ENV and k != "JAX_PLATFORMS"}
+
+
+@pytest.mark.skipif(libtpu_env.tpu_attached(), reason="a TPU host: libtpu's variables are its own")
+def test_libtpu_is_quiet_where_there_is_no_tpu():
+  """With libtpu installed, a JAX process prints libtpu's warnings about TPU_WORKER_HOSTNAMES
+  etc.; one that imports stabledrl_jax first prints nothing and takes no lock file."""
+  def stderr(code):
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=_fresh_env(), check=True)
+    return done.stderr
+
+  assert "TPU_WORKER_HOSTNAMES" in stderr("import jax; jax.devices()")
+  assert stderr("import stabledrl_jax, jax; jax.devices()") == ""
+  # Two processes at once (the first holds libtpu while the second compiles for a topology).
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import stabledrl_jax, jax, time; jax.devices(); time.sleep(5)"],
+      env=_fresh_env())
+  try:
+    assert stderr("import stabledrl_jax.tpu_compile as t; print(len(t.topology_devices()))"
+                  ) == ""
+  finally:
+    holder.wait(timeout=60)
