@@ -271,6 +271,51 @@ def test_one_process_saves_on_a_signal_and_fills_the_compilation_cache(tmp_path,
   _assert_same_metrics(_records(workdir), _records(reference), atol=0)
 
 
+def _wait_for_line(log_dir, prefix, running, timeout=300):
+  """Whether a process's log (process 0's) shows a line starting with ``prefix`` in time."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if any(p.poll() is not None for p in running):
+      return False
+    for log in pathlib.Path(log_dir).glob("train_0_*.log"):
+      if any(line.startswith(prefix) for line in log.read_text().splitlines()):
+        return True
+    time.sleep(0.02)
+  return False
+
+
+@pytest.mark.slow
+def test_preempted_processes_save_the_supervised_start_and_continue_it(tmp_path, reference):
+  """SIGTERM to both processes during the supervised start: they agree on a step, save its
+  progress (parameters, optimizer state, step) and exit 0 with the workdir released; the rerun
+  continues from that step and fits the uninterrupted start (the reference's, up to float
+  reassociation between 2 x 4 and 1 x 8 devices)."""
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  workdir = tmp_path / "sft"
+  extra = ("--config.train.num_steps=0",)
+  running = train(workdir, *extra, processes=2, devices=4, log_dir=logs)
+  assert _wait_for_line(logs, "sft step 0", running), _logs(logs)
+  for p in running:
+    p.send_signal(signal.SIGTERM)
+  assert wait(running) == [0, 0], _logs(logs)
+  progress = checkpointing.Checkpointer(workdir, read_only=True, subdir="sft_progress")
+  steps = progress.all_steps()
+  progress.close()
+  assert len(steps) == 1 and 1 <= steps[0] < 40, (steps, _logs(logs))
+  assert not (workdir / "sft_model").exists() and not (workdir / "LOCK").exists()
+
+  for log in logs.glob("*.log"):
+    log.unlink()
+  assert wait(train(workdir, *extra, processes=2, devices=4, log_dir=logs)) == [0, 0], (
+      _logs(logs))
+  assert f"continuing the supervised start from step {steps[0]}" in _logs(logs)
+  assert not (workdir / "sft_progress").exists()
+  got, want = _safetensors(workdir / "sft_model"), _safetensors(reference / "sft_model")
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], atol=1e-4, rtol=0, err_msg=name)
+
+
 _LAYOUT_SCRIPT = """
 import sys
 import ml_collections, numpy as np

@@ -164,8 +164,14 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
         raise ValueError(f"config does not match {where}: the supervised start's settings "
                          f"(sft.*, seed) were {saved.get('identity')}. Resume with them, or "
                          f"delete {progress.directory} to fit the start anew.")
-      state, meta = progress.restore(latest, checkpointing.abstract_like(
-          _sft_state(model, optimizer)))
+      # Placed as the fit places them: on the mesh (the optimizer's step counter, made on one
+      # device, replicated over it: a one-device array cannot join the others' computation).
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=x.sharding if isinstance(
+              x.sharding, jax.sharding.NamedSharding) else replicated),
+                              _sft_state(model, optimizer))
+      state, meta = progress.restore(latest, abstract)
       nnx.update(model, state["params"])
       nnx.update(optimizer, state["optimizer"])
       rng.bit_generator.state = meta["rng"]
