@@ -50,6 +50,7 @@ prompt stays as it is); ties in confidence go to the leftmost position.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Sequence
 
@@ -191,24 +192,24 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
       return jnp.concatenate([tokens, unconditional], axis=0)
     return tokens
 
-  def block_hidden(inputs: Array, start: Array, first: Array, kv: Any) -> tuple[Array, Any]:
+  def block_hidden(inputs: Array, start: Array, kv: Any, refresh: bool) -> tuple[Array, Any]:
     """Hidden states [B', block_length, D] of the block at `start`, and the KV cache.
 
     Exact (cache "none"): a pass over the whole sequence, the last layer for the block's
-    queries only. Cached: the block's first step is that pass, which also refreshes every
-    layer's keys and values of every position; later steps run only the block (dual: the
-    prefix's and the suffix's keys and values from the cache) or the sequence from the block on
-    (prefix: the decoded blocks' and the prompt's keys and values from the cache; one branch per
-    block, each of static length).
+    queries only. Cached: the block's first step (`refresh`, static) is that pass, which also
+    writes every layer's keys and values of every position into the carried cache `kv`; later
+    steps read it and return it untouched: they run only the block (dual: the prefix's and the
+    suffix's keys and values from the cache) or the sequence from the block on (prefix: the
+    decoded blocks' and the prompt's keys and values from the cache; one branch per block, each
+    of static length, the cache an operand of the branches, never one of their results).
     """
     if cache == "none":
       return model.encode(inputs, attention_mask, span=(start, block_length)), kv
-
-    def refresh(kv):
-      del kv
+    if refresh:
+      if writes_in_place:  # Into the loop-carried buffer: no second copy of the cache.
+        return model.encode_kv(inputs, attention_mask, span=(start, block_length), cache=kv)
       return model.encode_kv(inputs, attention_mask, span=(start, block_length))
-
-    def reuse_dual(kv):
+    if cache == "dual":
       block = jax.lax.dynamic_slice_in_dim(inputs, start, block_length, axis=1)
       return model.encode_cached(block, start, kv, attention_mask), kv
 
@@ -217,21 +218,17 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
       per block, hence one branch per block)."""
       begin = prompt_len + b * block_length
 
-      def run(kv):
-        hidden = model.encode_cached(inputs[:, begin:], begin, kv, attention_mask)
-        return hidden[:, :block_length], kv
+      def run(inputs, kv):
+        return model.encode_cached(inputs[:, begin:], begin, kv, attention_mask)[:, :block_length]
 
       return run
 
-    def reuse_prefix(kv):
-      branches = [reuse_from(b) for b in range(num_blocks)]
-      return jax.lax.switch((start - prompt_len) // block_length, branches, kv)
+    branches = [reuse_from(b) for b in range(num_blocks)]
+    return jax.lax.switch((start - prompt_len) // block_length, branches, inputs, kv), kv
 
-    return jax.lax.cond(first, refresh, reuse_dual if cache == "dual" else reuse_prefix, kv)
-
-  def block_logits(tokens: Array, start: Array, first: Array, kv: Any) -> tuple[Array, Any]:
+  def block_logits(tokens: Array, start: Array, kv: Any, refresh: bool) -> tuple[Array, Any]:
     """[B, block_length, V] float32 logits of the block starting at `start`, and the cache."""
-    hidden, kv = block_hidden(model_inputs(tokens), start, first, kv)
+    hidden, kv = block_hidden(model_inputs(tokens), start, kv, refresh)
     logits = model.unembed(hidden).astype(jnp.float32)
     if cfg_scale > 0:
       cond, uncond = logits[:batch], logits[batch:]
@@ -240,14 +237,15 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     valid = (vocab < config.vocab_size) & (vocab != mask_id)
     return jnp.where(valid, logits, -jnp.inf), kv
 
-  def step(block: Array, step_in_block: Array, schedule: Array | None, carry):
-    """One model call: predict the current block, reveal some of its masked positions."""
+  def step(block: Array, step_in_block: Array, schedule: Array | None, carry, refresh=False):
+    """One model call: predict the current block, reveal some of its masked positions
+    (`refresh`: the cached samplers' first step of a block, which rebuilds the cache)."""
     tokens, reveal_step, calls, kv = carry
     global_step = block * max_steps + step_in_block
     step_key = jax.random.fold_in(key, global_step)
     noise_key, confidence_key = jax.random.split(step_key)
     start = prompt_len + block * block_length
-    logits, kv = block_logits(tokens, start, step_in_block == 0, kv)
+    logits, kv = block_logits(tokens, start, kv, refresh)
     if temperature > 0:
       x0 = categorical(noise_key, logits, temperature)
     else:
@@ -273,13 +271,28 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
     return tokens, reveal_step, calls, kv
 
   def decode_block(block: Array, carry):
-    """Runs the steps of one block; returns the carry and the number of model calls made."""
+    """Runs the steps of one block; returns the carry and the number of model calls made.
+
+    Cached: the block's first step, which rebuilds the cache, runs before the loop over the
+    others (no `lax.cond` between a rebuilding and a reading step, whose result would need a
+    buffer of its own for the cache); a block starts fully masked, so threshold decoding always
+    runs that step too.
+    """
     tokens = carry[0]
     start = prompt_len + block * block_length
+    first = 0
+    if cache != "none":
+      if not dynamic:
+        current = jax.lax.dynamic_slice_in_dim(tokens, start, block_length, axis=1)
+        schedule = num_transfer_tokens(jnp.sum(current == mask_id, axis=1), max_steps)
+      carry = step(block, jnp.int32(0), None if dynamic else schedule, carry, refresh=True)
+      first = 1
     if not dynamic:
-      current = jax.lax.dynamic_slice_in_dim(tokens, start, block_length, axis=1)
-      schedule = num_transfer_tokens(jnp.sum(current == mask_id, axis=1), max_steps)
-      carry = jax.lax.fori_loop(0, max_steps, lambda i, c: step(block, i, schedule, c), carry)
+      if cache == "none":
+        current = jax.lax.dynamic_slice_in_dim(tokens, start, block_length, axis=1)
+        schedule = num_transfer_tokens(jnp.sum(current == mask_id, axis=1), max_steps)
+      carry = jax.lax.fori_loop(first, max_steps, lambda i, c: step(block, i, schedule, c),
+                                carry)
       return carry, jnp.int32(max_steps)
 
     def any_masked(inner):
@@ -289,7 +302,7 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
 
     num_steps, carry = jax.lax.while_loop(
         any_masked, lambda inner: (inner[0] + 1, step(block, inner[0], None, inner[1])),
-        (jnp.int32(0), carry))
+        (jnp.int32(first), carry))
     return carry, num_steps
 
   def run_block(outer):
@@ -308,6 +321,8 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
   reveal_step = jnp.full((batch, gen_length), -1, jnp.int32)
   calls = jnp.zeros((batch,), jnp.int32)
   kv = None
+  # Whether the model's encode_kv writes into a given cache (LLaDA's does).
+  writes_in_place = cache != "none" and "cache" in inspect.signature(model.encode_kv).parameters
   if cache != "none":  # Filled at each block's first step.
     shapes = jax.eval_shape(lambda t: model.encode_kv(model_inputs(t), attention_mask,
                                                       span=(prompt_len, block_length))[1], tokens)
