@@ -147,25 +147,44 @@ class LLaDA(nnx.Module):
     return constrain(self.ln_f(x), _HIDDEN_AXES)
 
   def encode_kv(self, tokens: Array, attention_mask: Array | None = None, *,
-                span: tuple[Array | int, int] | None = None
+                span: tuple[Array | int, int] | None = None,
+                cache: tuple[Array, Array] | None = None
                 ) -> tuple[Array, tuple[Array, Array]]:
     """``encode`` and a KV cache: every layer's rotated keys and values of every position,
-    [n_layers, B, L, K, hd] each (for ``encode_cached``; the layers run unrolled)."""
+    [n_layers, B, L, K, hd] each (for ``encode_cached``; the layers run unrolled).
+
+    ``cache``: a buffer of that shape and dtype to write them into (layer by layer, with
+    ``dynamic_update_slice``), returned in place of a new stack. A sampler that carries its cache
+    through a loop and no longer needs the old contents passes it, so that XLA updates the
+    carried buffer in place: one cache is live, not the old one, the layers' keys and values
+    and their stack (the same values either way).
+    """
     if attention_mask is not None:
       attention_mask = attention_mask.astype(bool)
     cos, sin = layers.rotary_angles(tokens.shape[1], self.config.head_dim, self.config.rope_theta)
     x = constrain(self.wte(tokens), _HIDDEN_AXES)
     keys, values = [], []
+
+    def keep(i: int, k: Array, v: Array) -> None:
+      if cache is None:
+        keys.append(k)
+        values.append(v)
+      else:
+        keys[0] = jax.lax.dynamic_update_index_in_dim(keys[0], k.astype(keys[0].dtype), i, 0)
+        values[0] = jax.lax.dynamic_update_index_in_dim(values[0], v.astype(values[0].dtype), i,
+                                                        0)
+
+    if cache is not None:
+      keys, values = [cache[0]], [cache[1]]
     *body, last = self.blocks
-    for block in body:
+    for i, block in enumerate(body):
       x, (k, v) = block.with_kv(x, cos, sin, attention_mask)
       x = constrain(x, _HIDDEN_AXES)
-      keys.append(k)
-      values.append(v)
+      keep(i, k, v)
     x, (k, v) = last.with_kv(x, cos, sin, attention_mask, span)
-    keys.append(k)
-    values.append(v)
-    return constrain(self.ln_f(x), _HIDDEN_AXES), (jnp.stack(keys), jnp.stack(values))
+    keep(len(body), k, v)
+    kv = (jnp.stack(keys), jnp.stack(values)) if cache is None else (keys[0], values[0])
+    return constrain(self.ln_f(x), _HIDDEN_AXES), kv
 
   def encode_cached(self, tokens: Array, start: Array | int, cache: tuple[Array, Array],
                     attention_mask: Array | None = None, *,
