@@ -100,13 +100,18 @@ class Result:
 def no_persistent_cache():
   """JAX's persistent compilation cache off: an executable for compile-only devices cannot be
   read back ("PjRtCompiler must be constructed with a Client"), so writing it only costs disk
-  and every later read a warning."""
+  and every later read a warning. JAX decides once per process whether its cache is in use, so
+  the decision is reset on the way in (and out, to take the cache up again after)."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache
   previous = jax.config.jax_enable_compilation_cache
+  compilation_cache.reset_cache()
   jax.config.update("jax_enable_compilation_cache", False)
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", previous)
+    compilation_cache.reset_cache()
 
 
 def _result(what: str, start: float, compiled: Any, devices) -> Result:

@@ -24,6 +24,10 @@ from stabledrl_jax.training import config_lib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"llada": "quickstart", "sdar": "sdar_tiny_quickstart"}
 SPLASH_CALL = "tpu_custom_call"  # A Pallas kernel's custom call in the compiled HLO.
+# conftest.py's persistent compilation cache must stay out of these compiles (their executables
+# cannot be read back: tpu_compile.no_persistent_cache).
+pytestmark = pytest.mark.filterwarnings(
+    "error:Error (reading|writing) persistent compilation cache entry:UserWarning")
 
 
 @pytest.fixture(scope="module")
