@@ -20,7 +20,7 @@ gets
   tokenizer's alphabet) and draws synthetic test sets as it does for the workdir: the export and
   the workdir give the same results. A plain Hugging Face source has no such config, and gets none.
 
-The files get the mode of any newly created file (0666 less the umask).
+The files get the mode of any newly created file (0666 less the umask; ``hf_io.save_pretrained``).
 
 The official PyTorch code (``trust_remote_code``) and inference servers load the result, and
 ``models.from_pretrained`` reads it back bit for bit. One process: every tensor passes through
@@ -64,24 +64,6 @@ def tokenizer_dir(source) -> str | None:
   return path if os.path.isdir(path) else os.path.dirname(path)
 
 
-def _umask() -> int:
-  mask = os.umask(0o022)
-  os.umask(mask)
-  return mask
-
-
-def _make_readable(directory: str, names: Sequence[str]) -> None:
-  """Gives the files ``names`` of ``directory`` (and its safetensors files) the mode of a newly
-  created file (0666 less the umask): safetensors writes its files 0600, unlike any other
-  checkpoint file."""
-  mode = 0o666 & ~_umask()
-  for name in os.listdir(directory):
-    path = os.path.join(directory, name)
-    if ((name in names or name.endswith(".safetensors")) and os.path.isfile(path)
-        and not os.path.islink(path)):
-      os.chmod(path, mode)
-
-
 def check_output(output: str) -> None:
   """ValueError naming ``--output`` unless it is, or can be created as, a writable directory
   (nothing is created here)."""
@@ -115,7 +97,6 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
   import ml_collections  # pylint: disable=g-import-not-at-top
 
   from stabledrl_jax import hub, models  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.models import hf_io  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
@@ -141,8 +122,6 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
       json.dump(record, f, indent=2, sort_keys=True)
   elif os.path.exists(record_path):  # An earlier export's config would misdescribe this model.
     os.remove(record_path)
-  _make_readable(output, [hf_io.CONFIG_FILE, hf_io.GENERATION_CONFIG_FILE, hf_io.INDEX_FILE,
-                          checkpoint_source.EXPORT_FILE, *copied])
   return copied
 
 

@@ -207,6 +207,11 @@ def test_save_then_load_round_trips(tmp_path, tensors, checkpoint, max_shard_byt
   kwargs = {} if max_shard_bytes is None else dict(max_shard_bytes=max_shard_bytes)
   models.save_pretrained(model, out, **kwargs)
   files = sorted(os.listdir(out))
+  # Readable like any new file (safetensors alone would write 0600); the suite's umask.
+  umask = os.umask(0)
+  os.umask(umask)
+  assert {oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in files} == {
+      oct(0o666 & ~umask)}
   if max_shard_bytes is None:
     assert files == ["config.json", "model.safetensors"]
   else:

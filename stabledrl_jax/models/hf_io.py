@@ -296,6 +296,12 @@ def _shard_groups(sizes: list[int], max_bytes: int) -> Iterator[list[int]]:
     yield group
 
 
+def _umask() -> int:
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
 def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) -> None:
   """Write `model` as a Hugging Face checkpoint directory (readable by `from_pretrained`).
 
@@ -335,6 +341,8 @@ def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) 
                  else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors")
     tensors = {entries[i][0]: host(entries[i][1], entries[i][2]) for i in group}
     save_file(tensors, os.path.join(path, file_name), metadata={"format": "pt"})
+    # safetensors writes 0600; a checkpoint is readable like any new file (0666 less the umask).
+    os.chmod(os.path.join(path, file_name), 0o666 & ~_umask())
     weight_map.update({name: file_name for name in tensors})
   if len(groups) > 1:
     with open(os.path.join(path, INDEX_FILE), "w") as f:
