@@ -70,7 +70,9 @@ def _apply_block(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array
   return block(x, cos, sin, key_mask)
 
 
-_apply_block_remat = nnx.remat(_apply_block)
+# graph_updates=False: the block's variables are inputs, never written back, so the remat also
+# runs inside a sampler's loops, whose trace cannot update variables of the enclosing one.
+_apply_block_remat = nnx.remat(_apply_block, graph_updates=False)
 
 
 # Activations split over the batch rule's mesh axes (see `sharding.constrain`).
@@ -142,7 +144,7 @@ class LLaDA(nnx.Module):
       start, length = span
       apply_span = _span_block_fn(int(length))
       if self.config.remat:
-        apply_span = nnx.remat(apply_span)
+        apply_span = nnx.remat(apply_span, graph_updates=False)
       x = apply_span(last, x, cos, sin, attention_mask, start)
     return constrain(self.ln_f(x), _HIDDEN_AXES)
 

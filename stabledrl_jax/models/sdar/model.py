@@ -262,7 +262,8 @@ def _apply_layer(layer: DecoderLayer, x: Array, cos: Array, sin: Array, aux: Any
   return layer(x, cos, sin, kernel, aux, span)
 
 
-_apply_layer_remat = nnx.remat(_apply_layer, static_argnums=(6, 7))
+# graph_updates=False: as LLaDA's (models/llada/model.py), usable inside a sampler's loops.
+_apply_layer_remat = nnx.remat(_apply_layer, static_argnums=(6, 7), graph_updates=False)
 
 
 @flax.struct.dataclass
