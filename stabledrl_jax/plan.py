@@ -99,7 +99,7 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error."
 WHATS = ("train", "sampler", "evaluate")
 
 # Chips of a 2-D slice (v5e, v6e) and of a 3-D one (v4, v5p): Cloud TPU's shapes.
-_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+_SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
               256: "16x16"}
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8"}
@@ -604,6 +604,10 @@ def markdown(data: dict[str, Any]) -> str:
            "|---|---|---|---|---|---:|---|---|---|---:|"]
   rows = [r for r in data.get("rows", []) if not r.get("ladder")]
   rows += [dict(r, pending=True) for r in data.get("pending", [])]
+  order = {}  # Slices in the order they first appear; within one, train, sampler, evaluate.
+  for r in rows:
+    order.setdefault((r["config"], r["topology"]), len(order))
+  rows.sort(key=lambda r: (order[r["config"], r["topology"]], WHATS.index(r["what"])))
   for r in rows:
     name = r.get("topology_name") or topology_name(r["topology"])
     unit = "devices" if name.startswith("cpu:") else "chips"
