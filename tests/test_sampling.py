@@ -472,3 +472,73 @@ def test_an_unknown_cache_is_rejected(tiny, prompt):
   with pytest.raises(ValueError, match="cache must be one of"):
     generate(tiny, prompt, key=jax.random.key(0), gen_length=8, steps=8, block_length=8,
              cache="full")
+
+
+# ---------------------------------------------------------------------------
+# Rollouts decoded in chunks (rollout.microbatch_groups; training/decoding.generate_rows).
+# ---------------------------------------------------------------------------
+
+_CHUNKS_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, ml_collections, numpy as np
+from flax import nnx
+from stabledrl_jax import models
+from stabledrl_jax.training import decoding, mesh as mesh_lib, multihost
+devices = int(sys.argv[1])
+mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=devices, tensor=1)))
+model = models.LLaDA(models.get_config("tiny", n_layers=2), rngs=nnx.Rngs(0))
+n, chunk = 16, 8
+prompt = np.asarray(jax.random.randint(jax.random.key(1), (n, 6), 0, 50), np.int32)
+mask = np.ones(prompt.shape, bool)
+mask[0, :2] = False
+key = jax.random.key(7)
+split = multihost.row_split(models.batch_sharding(mesh, ndim=1), n)
+for temperature in (0.0, 0.9):
+  settings = decoding.Decoding(8, 8, block_length=4, temperature=temperature, cache="dual")
+  run = lambda c: decoding.generate_rows(model, prompt, mask, key, settings, mesh=mesh,
+                                         split=split, chunk_rows=c)
+  whole, chunked = run(0), run(chunk)
+  assert np.array_equal(chunked[0], run(chunk)[0])  # reproducible
+  if temperature == 0:  # Greedy: the noise is unused, chunks change nothing.
+    assert np.array_equal(whole[0], chunked[0]) and np.array_equal(whole[1], chunked[1])
+    continue
+  # Chunk c: the c-th run of chunk / devices rows of each device's n / devices, key fold_in(c).
+  per_device, per_chunk = n // devices, chunk // devices
+  for c in range(n // chunk):
+    rows = np.concatenate([np.arange(d * per_device + c * per_chunk,
+                                     d * per_device + (c + 1) * per_chunk)
+                           for d in range(devices)])
+    alone = decoding.generate(model, jnp.asarray(prompt[rows]), jnp.asarray(mask[rows]),
+                              jax.random.fold_in(key, c), settings)[0]
+    assert np.array_equal(chunked[0][rows], np.asarray(alone)), c
+  assert not np.array_equal(whole[0], chunked[0])  # other noise than the one-call batch's
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_chunked_rollouts_are_chunks_decoded_alone(devices):
+  """generate_rows with chunk_rows: greedy decoding equals one call; sampled, chunk c's rows
+  (each device's c-th run of rows) equal those rows decoded alone with fold_in(key, c), and
+  the result is reproducible. 4 fake devices: a subprocess (XLA_FLAGS before JAX starts)."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", _CHUNKS_SCRIPT, str(devices)], env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_bad_chunks_are_one_line_errors_naming_the_field():
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import decoding  # pylint: disable=g-import-not-at-top
+  rollout = lambda g: ml_collections.ConfigDict(dict(num_prompts=4, group_size=2,
+                                                     microbatch_groups=g))
+  decoding.check_chunks(rollout(0), 8)
+  decoding.check_chunks(rollout(2), 4)
+  with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=3 does not divide"):
+    decoding.check_chunks(rollout(3), 1)
+  with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=1 gives 2 rows.*4 data"):
+    decoding.check_chunks(rollout(1), 4)
+  with pytest.raises(ValueError, match=r"^rollout.microbatch_groups must be an integer >= 0"):
+    decoding.check_chunks(rollout(-1), 1)

@@ -835,3 +835,17 @@ def test_a_second_ctrl_c_during_the_supervised_start_stops_at_once_and_cleanly(t
   assert "Interrupted again" in out and "Segmentation fault" not in out, out
   assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
   assert not (workdir / trainer.SFT_DIR).exists()
+
+
+def test_a_chunked_rollout_runs_a_step(tmp_path, sft_start):
+  """rollout.microbatch_groups = 1: the 2 x 4 rollouts decoded in two sampler calls."""
+  config = tiny_config(**{"rollout.microbatch_groups": 1, "train.num_steps": 1,
+                          "train.num_iterations": 1})
+  history = trainer.train(config, str(workdir_with_start(tmp_path, sft_start)))
+  assert len(history) == 1 and np.isfinite(history[0]["loss"]), history
+
+
+def test_rollout_chunks_that_do_not_divide_the_prompts_are_a_config_error(tmp_path):
+  config = tiny_config(**{"rollout.microbatch_groups": 3, "train.num_steps": 1})
+  with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=3 does not divide"):
+    trainer.train(config, str(tmp_path))

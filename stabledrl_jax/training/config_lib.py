@@ -75,7 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
       # LLaDA: block-wise KV caching of the rollout sampler (Fast-dLLM; sampling.generate):
       # none (exact) | prefix | dual; approximate rollouts, which StableDRL's ratio treatment is
       # built to tolerate. Evaluation stays exact unless evaluate's --cache says otherwise.
-      cache="none"))
+      cache="none",
+      # Groups per sampler call (decoding.generate_rows; chunk c's noise fold_in(key, c)), so
+      # that a slice of the rollout batch fits; 0: all at once.
+      microbatch_groups=0))
 
   # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/losses.py),
   # defaulting to its official code's (docs/algorithms.md lists them with their sources). The

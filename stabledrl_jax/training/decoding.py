@@ -104,11 +104,73 @@ def generate(model: Any, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: 
       decoding))
 
 
+def check_chunks(rollout: Any, ways: int) -> None:
+  """Raises ValueError (one line naming the field) unless ``rollout.microbatch_groups`` (groups
+  of ``group_size`` rows per sampler call; 0: the whole batch at once) divides
+  ``rollout.num_prompts`` and gives each of the ``ways`` = data x fsdp devices the same number of
+  rows, at least one, per call."""
+  groups = rollout.get("microbatch_groups", 0)
+  if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
+    raise ValueError(f"rollout.microbatch_groups must be an integer >= 0, got {groups!r}")
+  if groups and rollout.num_prompts % groups:
+    raise ValueError(f"rollout.microbatch_groups={groups} does not divide rollout.num_prompts="
+                     f"{rollout.num_prompts}")
+  if groups and (groups * rollout.group_size) % ways:
+    raise ValueError(f"rollout.microbatch_groups={groups} gives {groups * rollout.group_size} "
+                     f"rows per sampler call, not a multiple of the {ways} data x fsdp devices")
+
+
+def chunk_rows_of(rollout: Any) -> int:
+  """Rows per sampler call of a rollout batch (``rollout.microbatch_groups`` x group_size; 0:
+  all at once)."""
+  return rollout.get("microbatch_groups", 0) * rollout.group_size
+
+
 def generate_rows(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
                   key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
-                  split: multihost.RowSplit) -> tuple[np.ndarray, np.ndarray]:
+                  split: multihost.RowSplit, chunk_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
   """Decodes one batch of ``split.num_rows`` rows split over ``mesh``, given and returning this
-  process's rows ``split.rows`` only: prompts [n, P] -> (tokens [n, P + G], model calls [n])."""
+  process's rows ``split.rows`` only: prompts [n, P] -> (tokens [n, P + G], model calls [n]).
+
+  ``chunk_rows`` (0: all at once, one call with ``key``): decode in sampler calls of that many
+  rows (a divisor of the batch and a multiple of the data x fsdp devices), so that the sampler's
+  memory is a chunk's. Chunk c draws its noise from ``fold_in(key, c)`` and holds, on each
+  device, the c-th run of chunk_rows / devices of that device's rows: the chunks are split as
+  the batch is, and no row moves between devices.
+  """
+  if not chunk_rows or chunk_rows == split.num_rows:
+    return _generate_rows(model, prompt_tokens, prompt_mask, key, decoding, mesh=mesh,
+                          split=split)
+  ways = mesh_lib.data_parallel_size(mesh)
+  n = split.num_rows
+  if chunk_rows < 0 or n % chunk_rows or chunk_rows % ways:
+    raise ValueError(f"{chunk_rows} rows per sampler call must divide the batch of {n} rows "
+                     f"and be a multiple of the {ways} data x fsdp devices")
+  per_device, per_chunk = n // ways, chunk_rows // ways
+  chunk_split = multihost.row_split(models.batch_sharding(mesh, ndim=1), chunk_rows)
+  q = chunk_split.rows
+  tokens = calls = None
+  for c in range(n // chunk_rows):
+    # Chunk row q is global row (device of q) * per_device + c * per_chunk + (q's offset).
+    rows = (q // per_chunk) * per_device + c * per_chunk + q % per_chunk
+    local = np.searchsorted(split.rows, rows)
+    if not np.array_equal(split.rows[np.minimum(local, split.size - 1)], rows):
+      raise ValueError(f"the rows of sampler chunk {c} are not on process "
+                       f"{jax.process_index()}")
+    out, out_calls = _generate_rows(model, prompt_tokens[local], prompt_mask[local],
+                                    jax.random.fold_in(key, c), decoding, mesh=mesh,
+                                    split=chunk_split)
+    if tokens is None:
+      tokens = np.empty((split.size,) + out.shape[1:], out.dtype)
+      calls = np.empty((split.size,) + out_calls.shape[1:], out_calls.dtype)
+    tokens[local], calls[local] = out, out_calls
+  return tokens, calls
+
+
+def _generate_rows(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                   key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
+                   split: multihost.RowSplit) -> tuple[np.ndarray, np.ndarray]:
+  """``generate_rows`` in one sampler call."""
   rows_sharding = models.batch_sharding(mesh, ndim=1)
   tokens, mask = multihost.to_global((prompt_tokens, prompt_mask), rows_sharding,
                                      split.num_rows)

@@ -353,6 +353,7 @@ class Trainer:
     self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
     r = config.rollout
     self._splits: dict[int, multihost.RowSplit] = {}
+    decoding.check_chunks(r, mesh_lib.data_parallel_size(self.mesh))  # microbatch_groups
     self.rollout_split = self._split(r.num_prompts * r.group_size)
     self.my_groups = self.rollout_split.groups(r.group_size)
     self.tokenizer = data.make_tokenizer(config.tokenizer)
@@ -518,8 +519,11 @@ class Trainer:
     settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=temperature,
                                             steps=steps, **options)
     split = self._split(len(prompt_tokens) if num_rows is None else num_rows)
+    chunk_rows = decoding.chunk_rows_of(self.config.rollout)  # rollout.microbatch_groups
+    if split.num_rows % max(chunk_rows, 1):  # Not a rollout batch: one sampler call.
+      chunk_rows = 0
     return decoding.generate_rows(self._model(params), prompt_tokens, prompt_mask, key,
-                                  settings, mesh=self.mesh, split=split)
+                                  settings, mesh=self.mesh, split=split, chunk_rows=chunk_rows)
 
   def _split(self, num_rows: int) -> multihost.RowSplit:
     """This process's rows of a batch of ``num_rows`` (cached: one collective per size)."""
