@@ -185,7 +185,8 @@ def test_the_wheel_has_the_configs_data_and_console_scripts(venv, tmp_path):
   assert not got["heavy"], "the configs and config_lib must not import jax"
   entry_points = next(venv["site"].glob("stabledrl_jax-*.dist-info")) / "entry_points.txt"
   text = entry_points.read_text()
-  for name in ("stabledrl-train", "stabledrl-evaluate", "stabledrl-score", "stabledrl-export"):
+  for name in ("stabledrl-train", "stabledrl-evaluate", "stabledrl-score", "stabledrl-export",
+               "stabledrl-plan"):
     assert name in text and (venv["bin"] / name).is_file()
 
 

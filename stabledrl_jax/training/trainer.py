@@ -682,7 +682,7 @@ class Trainer:
         self.num_params, rollout_positions=float(rows[:, 3].sum()) * length,
         scored_positions=split.num_rows * self.spec.num_samples * length,
         num_updates=config.train.num_iterations,
-        num_scorings=len(old or ()) + len(ref or ()))
+        num_scorings=len(keys) * ((old is not None) + (ref is not None)))  # passes run, not reused
     updates_done = (step + 1) * config.train.num_iterations
     # Names as TRL and tunix users know them (docs/training.md, "Metrics").
     metrics.update({
