@@ -155,6 +155,12 @@ def _reveal(confidence: Array, masked: Array, count: Array | None,
   return masked & ((confidence > threshold) | (rank == 0))
 
 
+def _constrain_kv(x: Array) -> Array:
+  """A KV cache [n_layers, B, L, K, hd] pinned to the batch's mesh axes (``constrain``)."""
+  from stabledrl_jax.models.sharding import constrain  # pylint: disable=g-import-not-at-top
+  return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "gen_length", "steps", "block_length", "temperature",
@@ -207,8 +213,10 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
       return model.encode(inputs, attention_mask, span=(start, block_length)), kv
     if refresh:
       if writes_in_place:  # Into the loop-carried buffer: no second copy of the cache.
-        return model.encode_kv(inputs, attention_mask, span=(start, block_length), cache=kv)
-      return model.encode_kv(inputs, attention_mask, span=(start, block_length))
+        hidden, kv = model.encode_kv(inputs, attention_mask, span=(start, block_length), cache=kv)
+      else:
+        hidden, kv = model.encode_kv(inputs, attention_mask, span=(start, block_length))
+      return hidden, jax.tree.map(_constrain_kv, kv)
     if cache == "dual":
       block = jax.lax.dynamic_slice_in_dim(inputs, start, block_length, axis=1)
       return model.encode_cached(block, start, kv, attention_mask), kv
@@ -326,7 +334,8 @@ def _generate(graphdef: Any, state: Any, prompt: Array, prompt_mask: Array | Non
   if cache != "none":  # Filled at each block's first step.
     shapes = jax.eval_shape(lambda t: model.encode_kv(model_inputs(t), attention_mask,
                                                       span=(prompt_len, block_length))[1], tokens)
-    kv = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    # Rows split as the batch's (without the pin GSPMD may keep the whole cache on every device).
+    kv = jax.tree.map(lambda x: _constrain_kv(jnp.zeros(x.shape, x.dtype)), shapes)
   init = (jnp.int32(0), (tokens, reveal_step, calls, kv), jnp.int32(0), jnp.bool_(False))
   _, (tokens, reveal_step, calls, _), passes, _ = jax.lax.while_loop(keep_going, run_block, init)
   if stop_at_eos:
