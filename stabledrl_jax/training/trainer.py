@@ -759,7 +759,7 @@ class Trainer:
     watcher.install()
     try:
       # A signal during the build (after the supervised start): stop before the first step.
-      if self.start_step < config.train.num_steps and watcher.reached():
+      if self.start_step < config.train.num_steps and watcher.reached(self.start_step):
         if self.primary:
           logging.warning("Stopped by a signal before the first step; rerun the same command "
                           "to continue")
@@ -900,7 +900,6 @@ class PreemptionWatcher:
     self._interrupted = threading.Event()
     self._previous = {}
     self._on_abort = on_abort
-    self._boundaries = 0  # The preemption sync point's counter: one per boundary, rising.
     self.install()
 
   def install(self) -> None:
@@ -923,13 +922,16 @@ class PreemptionWatcher:
     print("\nInterrupted: saving at the end of this step (Ctrl-C again to stop now).",
           file=sys.stderr, flush=True)
 
-  def reached(self, step: int | None = None) -> bool:
-    """Whether to stop at this boundary (every process must ask at the same boundaries)."""
-    del step  # The sync point counts boundaries: they rise from the supervised start to RL.
-    self._boundaries += 1
+  def reached(self, step: int) -> bool:
+    """Whether to stop at the boundary after ``step`` (every process asks at the same ones).
+
+    ``step`` is the number orbax saves that boundary's checkpoint under (the supervised step,
+    then the RL step): orbax's ``CheckpointManager.save`` asks the same preemption sync point
+    with it, so both must count alike, or one of them consumes the sync point unseen.
+    """
     interrupted = multihost.agree(self._interrupted.is_set())
     if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(self._boundaries) or interrupted
+      return multihost_utils.reached_preemption_sync_point(step) or interrupted
     return self._flag.is_set() or interrupted
 
   def uninstall(self) -> None:
