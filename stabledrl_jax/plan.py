@@ -62,13 +62,10 @@ import time
 from typing import Any, Callable
 
 from absl import app, flags, logging
-from ml_collections import config_flags
-
+from stabledrl_jax import cli_flags
 from stabledrl_jax.training import config_lib
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "A shipped config's name (quickstart, llada8b_gsm8k, ...) or the path of a "
-    "get_config() file.", lock_config=True)
+_CONFIG = cli_flags.CONFIG
 _TOPOLOGY = flags.DEFINE_string(
     "topology", "v5litepod-4", "Comma-separated TPU slices: Cloud TPU accelerator types (v4-8, "
     "v5litepod-64, v5p-8, v6e-64, ...) or libtpu topology names (v5e:8x8, v5p:2x2x1).")
@@ -94,7 +91,7 @@ _MFU = flags.DEFINE_float("mfu", 0.4, "Model-FLOPs utilization of the time proje
 _RECOMMEND = flags.DEFINE_bool("recommend", True, "Search settings that fit.")
 _CHIP_GB = flags.DEFINE_float("chip_gb", 0.0, "One chip's memory in GB (1e9 bytes) instead of its "
                               "HBM (for cpu:N topologies: default 80).")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")
+_VERBOSE = cli_flags.VERBOSE
 
 WHATS = ("train", "sampler", "evaluate")
 

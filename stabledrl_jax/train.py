@@ -19,21 +19,17 @@ import signal
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
-
+from stabledrl_jax import cli_flags
 from stabledrl_jax.training import config_lib, multihost
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "A shipped config's name (quickstart, llada8b_gsm8k, ...) or the path of a "
-    "get_config() file.", lock_config=True)
+_CONFIG = cli_flags.CONFIG
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics "
                                "(local or gs://), shared by all processes.")
 multihost.define_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error (a bad config "
-                             "value, a busy or mismatched workdir) instead of one line.")
+_VERBOSE = cli_flags.VERBOSE
 
 
 def main(argv):
