@@ -62,8 +62,8 @@ import time
 from typing import Any, Callable
 
 from absl import app, flags, logging
+
 from stabledrl_jax import cli_flags
-from stabledrl_jax.training import config_lib
 
 _CONFIG = cli_flags.CONFIG
 _TOPOLOGY = flags.DEFINE_string(
@@ -764,13 +764,7 @@ def _load(path: str) -> dict[str, Any]:
 def run() -> None:
   """The console script ``stabledrl-plan``: ``--config NAME`` resolved, then absl."""
   global _ARGV
-  try:
-    argv = config_lib.resolve_config_flag(sys.argv)
-    config_lib.check_config_flags(argv[1:])
-  except (FileNotFoundError, ValueError) as error:
-    if any(arg in ("--verbose", "--verbose=true", "--verbose=True") for arg in sys.argv):
-      raise
-    sys.exit(f"error: {error}")
+  argv = cli_flags.resolve_argv(sys.argv)
   _ARGV = list(sys.argv)
   app.run(main, argv=argv)
 

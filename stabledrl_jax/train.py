@@ -19,8 +19,9 @@ import signal
 import sys
 
 from absl import app, flags, logging
+
 from stabledrl_jax import cli_flags
-from stabledrl_jax.training import config_lib, multihost
+from stabledrl_jax.training import multihost
 
 _CONFIG = cli_flags.CONFIG
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics "
@@ -56,16 +57,7 @@ def main(argv):
 
 def run() -> None:
   """The console script: ``--config NAME`` resolved to the shipped file, then absl."""
-  try:
-    argv = config_lib.resolve_config_flag(sys.argv)
-    # absl's config_flags fail on a missing file or an unknown field with a traceback.
-    config_lib.check_config_flags(argv[1:])
-  except (FileNotFoundError, ValueError) as error:
-    if any(arg in ("--verbose", "--verbose=true", "--verbose=True") for arg in sys.argv):
-      raise
-    hint = " (--verbose shows the traceback)" if error.__cause__ is not None else ""
-    sys.exit(f"error: {error}{hint}")
-  app.run(main, argv=argv)
+  app.run(main, argv=cli_flags.resolve_argv(sys.argv))
 
 
 if __name__ == "__main__":
