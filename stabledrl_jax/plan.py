@@ -629,6 +629,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines.append(f"| {config} | {slice_text} | {r['what']} | {_settings_text(r['settings'])} | "
                  f"{size} | {_gib(r['chip_bytes'])} | {fits} | {rec} | {r['compiler']} | "
                  f"{r['compile_seconds']:.0f} |")
+  lines += _attention_savings(rows)
   projections = data.get("projections", [])
   if projections:
     lines += ["", "Projected time (analytic FLOPs at the stated MFU, not measured; "
@@ -646,6 +647,39 @@ def markdown(data: dict[str, Any]) -> str:
                    f"{p['cache']}) | {p['mfu']:.2f} | {p['step_seconds']:.1f} | "
                    f"{p['run_hours']:.1f} ({p['num_steps']} steps) |")
   return "\n".join(lines) + "\n"
+
+
+_XLA_ATTENTION = "config.model.attention=xla"
+
+
+def _attention_savings(rows: list[dict[str, Any]]) -> list[str]:
+  """A table of what the kernel attention saves: each compiled row planned again with
+  ``--config.model.attention=xla`` (softmax attention that materializes the [B, H, L, L]
+  scores) beside the row without that override (``auto``: splash on TPU)."""
+  def key(r, drop=()):
+    overrides = tuple(o for o in r.get("overrides", []) if o not in drop)
+    return (r["config"], overrides, r["topology"], r["what"], r["compiler"],
+            json.dumps(r["settings"], sort_keys=True))
+
+  compiled = [r for r in rows if not r.get("pending") and r.get("per_chip_bytes")]
+  kernel = {key(r): r for r in compiled if _XLA_ATTENTION not in r.get("overrides", [])}
+  pairs = [(kernel[key(r, (_XLA_ATTENTION,))], r) for r in compiled
+           if _XLA_ATTENTION in r.get("overrides", []) and key(r, (_XLA_ATTENTION,)) in kernel]
+  if not pairs:
+    return []
+  lines = ["", "Attention kernel: the same programs with `--config.model.attention=xla` (softmax "
+           "attention over materialized [B, H, L, L] scores) against the default (`auto`: "
+           "splash attention on TPU):", "",
+           "| config | slice | what | settings | GiB per chip, splash | GiB per chip, xla | "
+           "saved GiB |", "|---|---|---|---|---:|---:|---:|"]
+  for auto, xla in pairs:
+    config = auto["config"] + "".join(f" `{o}`" for o in auto.get("overrides", []))
+    a, x = auto["per_chip_bytes"], xla["per_chip_bytes"]
+    out_of_memory = "" if xla.get("memory") else " (out of memory)"
+    lines.append(f"| {config} | {auto['topology']} | {auto['what']} | "
+                 f"{_settings_text(auto['settings'])} | {_gib(a)} | {_gib(x)}{out_of_memory} | "
+                 f"{_gib(x - a)} |")
+  return lines
 
 
 def _write_markdown(path: str, data: dict[str, Any]) -> None:

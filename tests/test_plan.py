@@ -251,3 +251,22 @@ def test_render_marks_rows_not_compiled_yet(tmp_path):
   table = md.read_text()
   assert "| quickstart | v5p-8 (`v5p:2x2x1`, 4 chips) | train |" in table
   assert "not compiled yet" in table and "Projected time" in table
+
+
+def test_render_shows_what_the_attention_kernel_saves():
+  """A row planned again with --config.model.attention=xla is paired with the default's row of
+  the same program: the table gives both sizes and the difference."""
+  def row(overrides, total, **extra):
+    memory = dict(argument=2**30, output=0, alias=0, temp=total - 2**30, total=total)
+    return dict(what="sampler", config="llada8b_gsm8k", overrides=overrides, topology="v5p-8",
+                topology_name="v5p:2x2x1", compiler="tpu", settings={"rollout.cache": "none"},
+                chip_bytes=95 * 2**30, per_chip_bytes=total, memory=memory, fits=True,
+                compile_seconds=1.0, ladder=False, **extra)
+
+  table = plan.markdown(dict(rows=[row([], 20 * 2**30),
+                                   row(["config.model.attention=xla"], 31 * 2**30),
+                                   row(["config.model.attention=xla"], 7 * 2**30) | dict(
+                                       what="evaluate")]))
+  assert "Attention kernel" in table
+  assert "| llada8b_gsm8k | v5p-8 | sampler | `rollout.cache=none` | 20 | 31 | 11 |" in table
+  assert plan.markdown(dict(rows=[row([], 20 * 2**30)])).count("Attention kernel") == 0

@@ -427,6 +427,29 @@ def test_encode_cached_over_a_fresh_cache_is_the_exact_pass():
   np.testing.assert_allclose(prefix[:, 4:12], full[:, 8:16], atol=1e-5)
 
 
+def test_scanned_layers_build_and_read_the_cache_as_unrolled_ones(prompt):
+  """``scan_layers`` (the paper configs) runs encode_kv and encode_cached as one scan over the
+  layers that carries the cache: the same hidden states, cache and cached samples."""
+  unrolled = models.LLaDA(models.get_config("tiny", n_layers=3), rngs=nnx.Rngs(0))
+  scanned = models.LLaDA(models.get_config("tiny", n_layers=3, scan_layers=True),
+                         rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 100)
+  mask = jnp.ones((2, 24), bool).at[1, :2].set(False)
+  (h0, c0), (h1, c1) = (m.encode_kv(tokens, mask, span=(8, 8)) for m in (unrolled, scanned))
+  np.testing.assert_allclose(h1, h0, atol=1e-5)
+  for a, b in zip(c0, c1):
+    assert a.shape == b.shape == (3, 2, 24, 2, 16) and a.dtype == b.dtype
+    np.testing.assert_allclose(b, a, atol=1e-5)
+  np.testing.assert_allclose(scanned.encode_cached(tokens[:, 8:16], 8, c1, mask),
+                             unrolled.encode_cached(tokens[:, 8:16], 8, c0, mask), atol=1e-5)
+  written = scanned.encode_kv(tokens, mask, cache=jax.tree.map(jnp.ones_like, c1))[1]
+  np.testing.assert_allclose(written[0], scanned.encode_kv(tokens, mask)[1][0], atol=1e-6)
+  kw = dict(key=jax.random.key(3), gen_length=32, steps=32, block_length=16, temperature=0.0)
+  for cache in ("prefix", "dual"):
+    np.testing.assert_array_equal(generate(scanned, prompt, cache=cache, **kw),
+                                  generate(unrolled, prompt, cache=cache, **kw))
+
+
 class CacheProbe(nnx.Module):
   """A hand-built model whose cached calls read the cache: the cache holds the sequence it was
   built from, and a cached call predicts token 20 + (masked blocks in that snapshot) everywhere,

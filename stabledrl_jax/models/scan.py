@@ -41,13 +41,27 @@ def scan_layers(layers: Sequence[nnx.Module], x: Array, apply: Callable[[Any, Ar
   Returns:
     The result of the last layer; gradients flow back to every layer's own parameters.
   """
+  return scan_layers_indexed(layers, x, lambda layer, _, x: apply(layer, x), remat=remat)
+
+
+def scan_layers_indexed(layers: Sequence[nnx.Module], carry: Any,
+                        apply: Callable[[Any, Any, Any], Any], *, remat: bool = False,
+                        xs: Any = None) -> Any:
+  """``carry`` through ``apply(layer, (i, xs[i]), carry)`` for each layer i, as a ``lax.scan``.
+
+  ``xs``: a pytree whose leaves have a leading axis of len(layers) (e.g. a per-layer KV cache
+  [n_layers, ...]); ``apply`` gets layer i's slice. The index i (a traced int32) lets ``apply``
+  write into a carried per-layer buffer in place (``lax.dynamic_update_index_in_dim``).
+  """
   graphdef, first = nnx.split(layers[0])
   states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
   stacked = jax.tree.map(_stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
-  def body(x, state):
-    return apply(nnx.merge(graphdef, state), x), None
+  def body(carry, inputs):
+    state, index, x = inputs
+    return apply(nnx.merge(graphdef, state), (index, x), carry), None
 
   if remat:
     body = jax.checkpoint(body)
-  return jax.lax.scan(body, x, stacked)[0]
+  index = jnp.arange(len(layers), dtype=jnp.int32)
+  return jax.lax.scan(body, carry, (stacked, index, xs))[0]

@@ -153,40 +153,40 @@ class LLaDA(nnx.Module):
                 cache: tuple[Array, Array] | None = None
                 ) -> tuple[Array, tuple[Array, Array]]:
     """``encode`` and a KV cache: every layer's rotated keys and values of every position,
-    [n_layers, B, L, K, hd] each (for ``encode_cached``; the layers run unrolled).
+    [n_layers, B, L, K, hd] each (for ``encode_cached``).
 
-    ``cache``: a buffer of that shape and dtype to write them into (layer by layer, with
-    ``dynamic_update_slice``), returned in place of a new stack. A sampler that carries its cache
+    ``cache``: a buffer of that shape and dtype to write them into, layer by layer with
+    ``dynamic_update_slice``, returned in place of a new stack. A sampler that carries its cache
     through a loop and no longer needs the old contents passes it, so that XLA updates the
     carried buffer in place: one cache is live, not the old one, the layers' keys and values
-    and their stack (the same values either way).
+    and their stack (the same values either way). With ``scan_layers`` the blocks but the last
+    run as one ``lax.scan`` (as in ``encode``) that carries the cache.
     """
     if attention_mask is not None:
       attention_mask = attention_mask.astype(bool)
     cos, sin = layers.rotary_angles(tokens.shape[1], self.config.head_dim, self.config.rope_theta)
     x = constrain(self.wte(tokens), _HIDDEN_AXES)
-    keys, values = [], []
-
-    def keep(i: int, k: Array, v: Array) -> None:
-      if cache is None:
-        keys.append(k)
-        values.append(v)
-      else:
-        keys[0] = jax.lax.dynamic_update_index_in_dim(keys[0], k.astype(keys[0].dtype), i, 0)
-        values[0] = jax.lax.dynamic_update_index_in_dim(values[0], v.astype(values[0].dtype), i,
-                                                        0)
-
-    if cache is not None:
-      keys, values = [cache[0]], [cache[1]]
     *body, last = self.blocks
-    for i, block in enumerate(body):
-      x, (k, v) = block.with_kv(x, cos, sin, attention_mask)
-      x = constrain(x, _HIDDEN_AXES)
-      keep(i, k, v)
-    x, (k, v) = last.with_kv(x, cos, sin, attention_mask, span)
-    keep(len(body), k, v)
-    kv = (jnp.stack(keys), jnp.stack(values)) if cache is None else (keys[0], values[0])
-    return constrain(self.ln_f(x), _HIDDEN_AXES), kv
+    if cache is None:
+      shape = (len(self.blocks), *tokens.shape, self.config.n_kv_heads, self.config.head_dim)
+      cache = (jnp.zeros(shape, self.config.dtype), jnp.zeros(shape, self.config.dtype))
+
+    def write(cache: tuple[Array, Array], i: Array | int, kv: tuple[Array, Array]):
+      return tuple(jax.lax.dynamic_update_index_in_dim(c, t.astype(c.dtype), i, 0)
+                   for c, t in zip(cache, kv))
+
+    def layer(block: Block, index_and_none, carry):
+      x, cache = carry
+      x, kv = block.with_kv(x, cos, sin, attention_mask)
+      return constrain(x, _HIDDEN_AXES), write(cache, index_and_none[0], kv)
+
+    if self.config.scan_layers and body:
+      x, cache = scan_lib.scan_layers_indexed(body, (x, cache), layer)
+    else:
+      for i, block in enumerate(body):
+        x, cache = layer(block, (i, None), (x, cache))
+    x, kv = last.with_kv(x, cos, sin, attention_mask, span)
+    return constrain(self.ln_f(x), _HIDDEN_AXES), write(cache, len(body), kv)
 
   def encode_cached(self, tokens: Array, start: Array | int, cache: tuple[Array, Array],
                     attention_mask: Array | None = None, *,
@@ -214,9 +214,16 @@ class LLaDA(nnx.Module):
     positions = start + jnp.arange(tokens.shape[1])
     cos, sin = layers.rotary_angles_at(positions, self.config.head_dim, self.config.rope_theta)
     x = constrain(self.wte(tokens), _HIDDEN_AXES)
-    for i, block in enumerate(self.blocks):
-      x = constrain(block.cached(x, cos, sin, attention_mask, (cache[0][i], cache[1][i]), start,
-                                 fresh_from), _HIDDEN_AXES)
+
+    def layer(block: Block, index_and_kv, x):
+      return constrain(block.cached(x, cos, sin, attention_mask, index_and_kv[1], start,
+                                    fresh_from), _HIDDEN_AXES)
+
+    if self.config.scan_layers:
+      x = scan_lib.scan_layers_indexed(self.blocks, x, layer, xs=cache)
+    else:
+      for i, block in enumerate(self.blocks):
+        x = layer(block, (i, (cache[0][i], cache[1][i])), x)
     return constrain(self.ln_f(x), _HIDDEN_AXES)
 
   def unembed(self, hidden: Array) -> Array:
