@@ -69,11 +69,13 @@ class PromptStyle:
     with_instruction: the task's instruction before the question.
     assistant_prefix: the start of the assistant's turn, for chat tokenizers.
     length: P, the padded prompt length (0: the longest prompt of the task).
+    template: the prompt style (``tasks.PROMPT_STYLES``: 'd1' or 'stabledrl').
   """
 
   with_instruction: bool = True
   assistant_prefix: str = ""
   length: int = 0
+  template: str = tasks.DEFAULT_PROMPT_STYLE
 
 
 # ---------------------------------------------------------------------------
@@ -134,7 +136,8 @@ def styled_prompts(tokenizer, task: tasks.Task, examples: Sequence[tasks.Example
   """The examples' prompts in ``style``, left-padded by ``data.encode_prompts``: tokens [N, P]
   int32 and their mask [N, P] bool (True: real token)."""
   texts = [data.format_prompt(tokenizer, task, example, with_instruction=style.with_instruction,
-                              assistant_prefix=style.assistant_prefix) for example in examples]
+                              assistant_prefix=style.assistant_prefix, style=style.template)
+           for example in examples]
   return data.encode_prompts(tokenizer, texts, style.length or None)
 
 
@@ -339,6 +342,7 @@ class Options:
   mesh: Sequence[int] = (-1, 1, 1)
   prompt_length: int = 0
   with_instruction: bool | None = None
+  prompt_style: str | None = None
   assistant_prefix: str | None = None
   output: str = ""
 
@@ -440,7 +444,13 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   prefix = options.assistant_prefix
   if prefix is None:
     prefix = D1_ASSISTANT_PREFIX if hasattr(tokenizer, "chat_prompt") else ""
-  style = PromptStyle(with_instruction, prefix, options.prompt_length)
+  template = options.prompt_style
+  if template is None:
+    template = (source.config.task.get("prompt_style", tasks.DEFAULT_PROMPT_STYLE)
+                if source.config is not None else tasks.DEFAULT_PROMPT_STYLE)
+  if template not in tasks.PROMPT_STYLES:
+    raise ValueError(f"--prompt_style {template!r} is not one of {tasks.PROMPT_STYLES}")
+  style = PromptStyle(with_instruction, prefix, options.prompt_length, template)
   if multihost.is_primary():
     note = guess_note(source, options, style, sources)
     if note:
@@ -477,6 +487,8 @@ def guess_note(source: checkpoint_source.CheckpointSource, options: Options,
       guessed.append(f"with_instruction={style.with_instruction}")
     if options.assistant_prefix is None:
       guessed.append(f"assistant_prefix={style.assistant_prefix!r}")
+    if options.prompt_style is None and style.with_instruction:
+      guessed.append(f"prompt_style={style.template}")
   for name, data_source in sources.items():
     if data_source == "synthetic" and (source.config is None
                                        or source.config.task.name != name):
@@ -537,6 +549,10 @@ def define_flags() -> None:
   flags.DEFINE_boolean("with_instruction", None, "Put the task's instruction before the question "
                        "(default: as the checkpoint's training config says: a workdir's, an "
                        "export's stabledrl_jax.json; yes for plain Hugging Face checkpoints).")
+  flags.DEFINE_enum("prompt_style", None, list(tasks.PROMPT_STYLES),
+                    "The prompt's template with --with_instruction: d1 (the task's instruction "
+                    "in the d1 layout) or stabledrl (the official StableDRL templates); default: "
+                    "the checkpoint's training config's, else d1.")
   flags.DEFINE_string("assistant_prefix", None, "Start of the assistant's turn for chat "
                       f"tokenizers (default: {D1_ASSISTANT_PREFIX!r}, as d1's evaluation).")
   flags.DEFINE_string("output", defaults.output, "Results JSON (default: OUTPUT_DIR/results.json).")

@@ -174,6 +174,7 @@ def test_workdir_is_read_at_its_latest_or_chosen_step(tmp_path, workdir):
   written = json.loads((tmp_path / "sudoku_tiny-run-step1_32_16_0_generations.json").read_text())
   assert written["checkpoint_path"] == str(path / "checkpoints" / "1")
   assert written["settings"]["prompt"]["with_instruction"] is False
+  assert written["settings"]["prompt"]["template"] == latest.config.task.prompt_style == "d1"
   held_out = data.make_examples(latest.config, "eval")
   assert [r["question"] for r in written["generations"]] == [ex.question for ex in held_out][:2]
 

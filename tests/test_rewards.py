@@ -1,6 +1,7 @@
 """Rewards: the values the official reward code gives, robustness to hostile completions, and the
 d1 evaluation protocol's extraction rules."""
 
+import collections
 import fractions
 import functools
 import math
@@ -9,6 +10,7 @@ import signal
 import threading
 import time
 
+from hypothesis import assume
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -376,8 +378,8 @@ REWARDS = {
     "tag_count": format_rewards.tag_count_reward,
     "boxed_format": format_rewards.boxed_answer_format_reward,
     # The official StableDRL rewards (math-verify's +-1 mapped onto [0, 1]).
-    "countdown_official": lambda completion: rewards.countdown_reward(
-        completion, [25, 4, 3], 63, allow_unused=True),
+    "countdown_official": lambda completion: rewards.official_countdown_reward(
+        completion, [25, 4, 3], 63),
     "anti_short_boxed": format_rewards.anti_short_boxed_reward,
 }
 # math-verify on the whole completion (the official GSM8K / MATH reward), +-1 mapped onto [0, 1]:
@@ -539,12 +541,58 @@ def test_anti_short_boxed_reward_matches_the_rule_on_any_text(text):
   assert format_rewards.anti_short_boxed_reward(text) == _anti_short_boxed_by_the_rules(text)
 
 
-def test_official_countdown_reward_allows_unused_numbers():
-  assert rewards.countdown_reward("<answer>25 + 4 * 3 - 25 + 25</answer>", [25, 4, 3], 37,
-                                  allow_unused=True) == 0.1  # 25 three times
-  assert rewards.countdown_reward("<answer>(25 - 4) * 3</answer>", [25, 4, 3, 9], 63,
-                                  allow_unused=True) == 1.0
-  assert rewards.countdown_reward("<answer>(25 - 4) * 3</answer>", [25, 4, 3, 9], 63) == 0.1
+def _official_countdown_by_its_source(completion, numbers, target):
+  """The official StableDRL countdown scorer re-derived from its source (logic_puzzles.py:
+  extract, validate, evaluate, compute_score), with its own eval; for inputs without "**"."""
+  matches = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
+  if not matches:
+    return 0.0
+  equation = matches[-1].strip()
+  counts = collections.Counter(numbers)
+  for n in [int(n) for n in re.findall(r"\d+", equation)]:
+    if counts[n] <= 0:
+      return 0.1
+    counts[n] -= 1
+  try:
+    if not re.match(r"^[\d+\-*/().\s]+$", equation):
+      raise ValueError
+    result = eval(equation, {"__builtins__": None}, {})  # pylint: disable=eval-used
+  except Exception:  # pylint: disable=broad-except
+    return 0.1
+  try:
+    return 1.0 if abs(result - target) < 1e-5 else 0.1
+  except Exception:  # pylint: disable=broad-except
+    return 0.1
+
+
+def test_official_countdown_reward_follows_the_official_rules():
+  reward = lambda text, numbers=(25, 4, 3), target=63: rewards.official_countdown_reward(
+      text, list(numbers), target)
+  assert reward("<answer>(25 - 4) * 3</answer>") == 1.0
+  assert reward("<answer>(25 - 4) * 3</answer>", (25, 4, 3, 9)) == 1.0  # 9 unused: allowed
+  assert reward("<answer>25 + 4 * 3 - 25 + 25</answer>", target=37) == 0.1  # 25 three times
+  assert reward("<answer>\\boxed{(25 - 4) * 3}</answer>") == 0.1  # no boxed, no LaTeX
+  assert reward("\\boxed{(25 - 4) * 3}") == 0.0  # no answer tag: no answer
+  assert reward("<answer>(25-4)\\times 3</answer>") == 0.1
+  assert reward("<answer>(25 - 4) * 3 = 63</answer>") == 0.1
+  assert reward("<answer>x</answer><answer>(25 - 4) * 3</answer>") == 1.0  # the last match
+  assert reward("<answer>4 ** 3 - 1 + 0 * 25</answer>", (4, 3, 1, 0, 25)) == 1.0  # Python's **
+  assert reward("<answer>25 // 4 * 3 + 45</answer>", (25, 4, 3, 45)) == 1.0  # and //
+  assert reward("<answer>25 ** 4 ** 3 ** 25</answer>", (25, 4, 3, 25)) == 0.1  # bounded
+  assert reward("<answer>" + "9" * 5000 + "</answer>") == 0.1  # past Python's int() limit
+
+
+@settings(max_examples=400, deadline=None)
+@given(inner=st.text(alphabet=st.sampled_from(list("0123456789 +-*/().\n<>answer")),
+                     max_size=40),
+       prefix=st.sampled_from(["", "<answer>", "x<answer>1</answer>"]),
+       suffix=st.sampled_from(["</answer>", "", "</answer>y"]))
+def test_official_countdown_reward_matches_its_source_on_any_text(inner, prefix, suffix):
+  completion = prefix + inner + suffix
+  assume("**" not in completion)  # eval would compute any power; ours is bounded
+  numbers, target = [25, 4, 3, 1], 63
+  assert (rewards.official_countdown_reward(completion, numbers, target) ==
+          _official_countdown_by_its_source(completion, numbers, target))
 
 
 def test_math_verify_reward_reads_the_whole_completion():

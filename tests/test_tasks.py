@@ -53,9 +53,81 @@ def test_prompt_is_instruction_then_question():
   assert "<answer>" in task.instruction and "<reasoning>" in task.instruction
 
 
+# The official StableDRL prompts, as its dataloaders build them (JianyuanZhong/StableDRL:
+# dataloaders/logic_puzzles.py collate_fn_countdown and collate_fn_sudoku; dataloaders/math.py
+# collate_fn_mixed, which configs/math_spg_snis.yaml and gsm8k_math_spg_snis.yaml use), written
+# out by hand here.
+OFFICIAL_PROMPTS = [
+    (countdown.make_example([30, 100, 93], 23),
+     "Given numbers [30, 100, 93], find an equation that equals 23. Please put the reasoning in "
+     "<reasoning> tags and the final equation in <answer> tags, e.g. <answer> 1 + 1 </answer>."),
+    (sudoku.make_example("3102200002100320", "3142243142131324"),
+     "Solve this 4x4 Sudoku puzzle: 3102200002100320. Use 0 for empty cells. Please put the "
+     "reasoning in <reasoning> tags and the solution string in <answer> tags."),
+    (tasks.get_task("gsm8k").example_from_record({"question": "What is 2 + 3?",
+                                                   "answer": "2 + 3 = 5\n#### 5"}),
+     "What is 2 + 3?(Please put the final answer in \\\\boxed{} tag, i.e. "
+     "$\\\\boxed{answer here}$)"),
+    (tasks.get_task("math500").example_from_record({"problem": "Find $x$.", "answer": "2"}),
+     "Find $x$.(Please put the final answer in \\\\boxed{} tag, i.e. $\\\\boxed{answer here}$)"),
+]
+
+
+@pytest.mark.parametrize("example, official", OFFICIAL_PROMPTS)
+def test_the_stabledrl_prompt_style_is_the_official_template(example, official):
+  name = {"Given": "countdown", "Solve": "sudoku", "What": "gsm8k", "Find": "math500"}[
+      official.split()[0].rstrip("$")]
+  task = tasks.get_task(name)
+  assert task.prompt(example, style="stabledrl") == official
+  assert task.prompt(example, style="d1") == task.prompt(example)  # d1 stays the default
+  assert task.prompt(example, style="stabledrl", with_instruction=False) == example.question
+  with pytest.raises(ValueError, match="prompt style"):
+    task.prompt(example, style="tulu")
+
+
+def test_the_run_prompt_style_reaches_the_encoded_prompts():
+  example, official = OFFICIAL_PROMPTS[0]
+  config = config_lib.get("quickstart")
+  config.task.update(name="countdown", with_instruction=True, prompt_style="stabledrl")
+  config.tokenizer.alphabet = "".join(sorted(set(official)))
+  config.rollout.prompt_length = 256
+  tokenizer = data.make_tokenizer(config.tokenizer)
+  prompts = data.encode_examples(config, tokenizer, tasks.get_task("countdown"), [example])
+  assert tokenizer.decode(prompts.tokens[0][prompts.mask[0]]) == official
+
+
+def test_paper_configs_prompt_in_the_official_style_and_the_quickstart_is_unchanged():
+  for name in ("llada8b_gsm8k", "llada8b_math", "llada8b_countdown", "llada8b_sudoku",
+               "sdar8b_math"):
+    config = config_lib.get(name)
+    assert config.task.prompt_style == "stabledrl" and config.task.with_instruction, name
+  assert config_lib.get("quickstart").task.prompt_style == "d1"
+
+
+def test_the_official_sudoku_csv_trains_with_leading_zeros_kept_or_restored(tmp_path):
+  """d1's 4x4_sudoku_unique_puzzles.csv (the official training file) has a Puzzle,Solution
+  header; a copy saved through pandas or `datasets` without dtype=str lost its leading zeros,
+  which the loader restores as the official one does (zfill(16))."""
+  path = tmp_path / "4x4_sudoku_unique_puzzles.csv"
+  path.write_text("Puzzle,Solution\n0140432014020000,2143432114323214\n"
+                  "140432014020000,2143432114323214\n3102200002100320,3142243142131324\n")
+  examples = tasks.load_examples("sudoku", str(path), split="train")
+  assert [sudoku.puzzle_of(e) for e in examples] == ["0140432014020000", "0140432014020000",
+                                                     "3102200002100320"]
+  assert examples[1].ground_truth == "2143432114323214"
+  row = sudoku.example_from_record({"Puzzle": 140432014020000, "Solution": 2143432114323214})
+  assert sudoku.puzzle_of(row) == "0140432014020000"
+  config = config_lib.get("quickstart")
+  config.data.update(train=str(path), train_size=0)
+  assert len(data.make_examples(config, "train")) == 3
+  with pytest.raises(ValueError, match="16-digit"):
+    sudoku.example_from_record({"Puzzle": "01404320140200001", "Solution": "2143432114323214"})
+
+
 @pytest.mark.parametrize("name, example, good, bad", [
     ("countdown", countdown.make_example([25, 4, 3], 63),
-     _layout("\\boxed{(25 - 4) * 3}"), _layout("\\boxed{25 + 4 + 3}")),
+     # The official reward reads a plain string in the tags, d1's score the boxed expression.
+     "\\boxed{(25 - 4) * 3} " + _layout("(25 - 4) * 3"), _layout("25 + 4 + 3")),
     ("sudoku", sudoku.make_example("1034000000000000", "1234341221434321"),
      _layout("1234341221434321"), _layout("1034000000000000")),
     ("gsm8k", tasks.Example("Janet...", 18.0), _layout("\\boxed{18}"), _layout("\\boxed{17}")),
@@ -437,3 +509,14 @@ def test_a_local_copy_of_a_hub_dataset_loads_with_the_official_split_and_config(
   assert [e.question for e in data.make_examples(config, "eval")] == [
       "test question 0?", "test question 1?"]
   assert len(data.make_examples(config, "train")) == 5
+
+
+def test_the_official_gsm8k_gold_is_the_text_after_the_hashes_never_an_exponent():
+  from stabledrl_jax.tasks import gsm8k  # pylint: disable=g-import-not-at-top
+  task = tasks.get_task("gsm8k")
+  example = task.example_from_record({"question": "q", "answer": "so 1234567\n#### 1234567"})
+  assert gsm8k.official_gold(example) == "1234567"
+  assert gsm8k.official_gold(tasks.Example("q", 1234567.0)) == "1234567"
+  assert gsm8k.official_gold(tasks.Example("q", 2.5)) == "2.5"
+  right = "<answer>\\boxed{1234567}</answer>"
+  assert task.reward_components(right, tasks.Example("q", 1234567.0))["correctness"] == 1.0

@@ -285,3 +285,10 @@ def test_the_cli_gives_one_line_and_writes_nothing(tmp_path):
   verbose = _train("--config", "quickstart", "--config.rollout.temprature=0.5", "--verbose",
                    workdir=workdir)
   assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def test_an_unknown_prompt_style_names_the_field_and_the_styles():
+  with pytest.raises(ValueError, match="'d1', 'stabledrl'") as error:
+    specs.validate(quickstart(**{"task.prompt_style": "tulu"}))
+  assert_names(error.value, "task.prompt_style")
+  specs.validate(quickstart(**{"task.prompt_style": "stabledrl", "task.with_instruction": True}))

@@ -22,6 +22,7 @@ from stabledrl_jax.rewards.math_equivalence import symbolic_equivalent
 from stabledrl_jax.rewards.task_rewards import countdown_reward
 from stabledrl_jax.rewards.task_rewards import gsm8k_reward
 from stabledrl_jax.rewards.task_rewards import math_reward
+from stabledrl_jax.rewards.task_rewards import official_countdown_reward
 from stabledrl_jax.rewards.task_rewards import sudoku_reward
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "math_answers_match",
     "math_reward",
     "normalize_math_answer",
+    "official_countdown_reward",
     "soft_format_reward",
     "strict_format_reward",
     "sudoku_reward",

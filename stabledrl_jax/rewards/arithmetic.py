@@ -18,8 +18,10 @@ Literals follow Python's rules, so that an expression accepted here means what t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import fractions
+import operator
 
 MAX_EXPRESSION_CHARS = 512
 MAX_NESTING_DEPTH = 32
@@ -192,3 +194,61 @@ def evaluate_arithmetic(
   except (_Rejected, ValueError, ZeroDivisionError, RecursionError):
     return None
   return Evaluation(value=value, literals=tuple(parser.literals))
+
+
+# ---------------------------------------------------------------------------
+# Python's own arithmetic, bounded: the official StableDRL countdown scorer's semantics.
+# ---------------------------------------------------------------------------
+
+# Powers whose result would pass this many bits are refused ("9**9**9" never runs).
+MAX_POWER_BITS = 4096
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _power(base, exponent):
+  """``base ** exponent``; an integer power of over MAX_POWER_BITS bits is refused (float powers
+  are fast, and Python raises OverflowError past the float range itself)."""
+  if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
+    if exponent * (abs(base).bit_length() - 1) > MAX_POWER_BITS:
+      raise OverflowError("power too large")
+  return base ** exponent
+
+
+def _python_value(node: ast.AST):
+  if isinstance(node, ast.Expression):
+    return _python_value(node.body)
+  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    return node.value
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+    value = _python_value(node.operand)
+    return +value if isinstance(node.op, ast.UAdd) else -value
+  if isinstance(node, ast.BinOp):
+    left, right = _python_value(node.left), _python_value(node.right)
+    if isinstance(node.op, ast.Pow):
+      return _power(left, right)
+    if type(node.op) in _BINARY:
+      return _BINARY[type(node.op)](left, right)
+  raise _Rejected(f"not arithmetic: {type(node).__name__}")
+
+
+def python_value(expression: str) -> int | float | complex | None:
+  """What Python's ``eval`` makes of an arithmetic expression (ints, floats, + - * / // % **,
+  unary signs, parentheses), or None where it would raise or is not arithmetic.
+
+  This is the official StableDRL countdown scorer's evaluation (its ``eval`` after a character
+  check), run on Python's own parser and operators without ``eval``, so the values are
+  Python's (floats, ``7 // 2 == 3``, ``2 ** 3 == 8``, ``(-1) ** 0.5`` complex). Bounded where
+  ``eval`` is not: a power whose result would exceed MAX_POWER_BITS bits is None (``eval``
+  would compute it, or hang on "9**9**9**9"), as is anything Python's parser refuses (over 200
+  nested parentheses, a very deep chain of signs). Never raises.
+  """
+  if not isinstance(expression, str):
+    return None
+  try:
+    tree = ast.parse(expression.lstrip(" \t"), mode="eval")  # eval strips these too.
+    return _python_value(tree)
+  except (_Rejected, SyntaxError, ValueError, TypeError, ZeroDivisionError, OverflowError,
+          RecursionError, MemoryError):
+    return None

@@ -47,8 +47,7 @@ def countdown_expression(completion: str) -> str | None:
   return expression.strip()
 
 
-def countdown_reward(completion: str, numbers: Sequence[int], target: float, *,
-                     allow_unused: bool = False) -> float:
+def countdown_reward(completion: str, numbers: Sequence[int], target: float) -> float:
   """1.0 if the answer uses each number exactly once and equals the target; 0.1 if an answer
   expression is present but wrong or invalid; 0.0 if there is none.
 
@@ -56,7 +55,6 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: float, *,
     completion: the generated text (answer inside <answer>...</answer> or \\boxed{}).
     numbers: the available numbers, e.g. [25, 4, 3].
     target: the value to reach, e.g. 63.
-    allow_unused: each number at most once, not exactly once (the official StableDRL reward).
   """
   numbers = sorted(int(number) for number in numbers)
   target = fractions.Fraction(target)
@@ -69,17 +67,65 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: float, *,
   if evaluation is None:
     return COUNTDOWN_FORMAT_SCORE
   used = evaluation.integer_literals()
-  if used is None or not _uses_numbers(sorted(used), numbers, allow_unused):
+  if used is None or sorted(used) != numbers:
     return COUNTDOWN_FORMAT_SCORE
   return 1.0 if abs(evaluation.value - target) < 1e-5 else COUNTDOWN_FORMAT_SCORE
 
 
-def _uses_numbers(used: list[int], numbers: list[int], allow_unused: bool) -> bool:
-  if not allow_unused:
-    return used == numbers
-  available = collections.Counter(numbers)
-  available.subtract(used)  # A number not offered, or used too often, goes negative.
-  return all(count >= 0 for count in available.values())
+_OFFICIAL_CHARACTERS = re.compile(r"^[\d+\-*/().\s]+$")
+_OFFICIAL_NUMBER = re.compile(r"\d+")
+
+
+def _official_last_answer(text: str) -> str | None:
+  """The last match of ``re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)`` (matches taken
+  left to right, each from the first "<answer>" to the next "</answer>"), in linear time: the
+  regex is quadratic on a completion of unclosed "<answer>" tags."""
+  found, position = None, 0
+  while True:
+    start = text.find(extraction.ANSWER_OPEN, position)
+    if start < 0:
+      return found
+    end = text.find(extraction.ANSWER_CLOSE, start + len(extraction.ANSWER_OPEN))
+    if end < 0:
+      return found
+    found, position = text[start + len(extraction.ANSWER_OPEN):end], end + len(
+        extraction.ANSWER_CLOSE)
+
+
+def official_countdown_reward(completion: str, numbers: Sequence[int], target: float) -> float:
+  """The official StableDRL countdown reward (its ``compute_score_countdown``), rule by rule.
+
+  - The equation is the last ``<answer>(.*?)</answer>`` match (non-greedy, left to right),
+    stripped; none: 0.0. No ``\\boxed{}``, no LaTeX operators.
+  - Every run of digits in it (``\\d+``: "2.5" is 2 and 5) must come from the numbers, each
+    at most as often as given (unused numbers allowed); else 0.1.
+  - It must consist of digits, ``+ - * / ( ) .`` and whitespace, and Python must evaluate it
+    (``arithmetic.python_value``: ``**`` and ``//`` included, floats); else 0.1.
+  - 1.0 if the value is within 1e-5 of the target, else 0.1.
+
+  Bounded where the official ``eval`` is not (a huge power scores 0.1), and completions over
+  ``extraction.MAX_COMPLETION_CHARS`` score 0.
+  """
+  if extraction.oversized(completion):
+    return 0.0
+  equation = _official_last_answer(completion)
+  if equation is None:
+    return 0.0
+  equation = equation.strip()
+  available = collections.Counter(int(number) for number in numbers)
+  try:
+    available.subtract(int(run) for run in _OFFICIAL_NUMBER.findall(equation))
+  except ValueError:  # Over Python's 4300-digit int limit: the official check fails too.
+    return COUNTDOWN_FORMAT_SCORE
+  if any(count < 0 for count in available.values()):
+    return COUNTDOWN_FORMAT_SCORE
+  if not _OFFICIAL_CHARACTERS.match(equation):
+    return COUNTDOWN_FORMAT_SCORE
+  value = arithmetic.python_value(equation)
+  try:
+    return 1.0 if value is not None and abs(value - target) < 1e-5 else COUNTDOWN_FORMAT_SCORE
+  except (TypeError, OverflowError):
+    return COUNTDOWN_FORMAT_SCORE
 
 
 # ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from stabledrl_jax.tasks import countdown
 from stabledrl_jax.tasks import gsm8k
 from stabledrl_jax.tasks import math500
 from stabledrl_jax.tasks import sudoku
+from stabledrl_jax.tasks.base import DEFAULT_PROMPT_STYLE
 from stabledrl_jax.tasks.base import DEFAULT_REWARD_SCHEME
 from stabledrl_jax.tasks.base import Example
 from stabledrl_jax.tasks.base import get_task
@@ -28,6 +29,7 @@ from stabledrl_jax.tasks.base import HubSource
 from stabledrl_jax.tasks.base import ItemScore
 from stabledrl_jax.tasks.base import list_tasks
 from stabledrl_jax.tasks.base import register_task
+from stabledrl_jax.tasks.base import PROMPT_STYLES
 from stabledrl_jax.tasks.base import REWARD_SCHEMES
 from stabledrl_jax.tasks.base import RewardTerm
 from stabledrl_jax.tasks.base import Task
@@ -104,7 +106,9 @@ def load_examples(
 
 
 __all__ = [
+    "DEFAULT_PROMPT_STYLE",
     "DEFAULT_REWARD_SCHEME",
+    "PROMPT_STYLES",
     "REWARD_SCHEMES",
     "packaged_files",
     "PACKAGED_DATA",

@@ -2,7 +2,9 @@
 
 A task bundles what the RL loop and the evaluator need to know about a problem family:
 
-- how a question becomes a prompt (`Task.prompt`);
+- how a question becomes a prompt (`Task.prompt`), in a named style: 'd1' (the task's
+  instruction in the d1 layout of <reasoning> and <answer> tags, then the question) or
+  'stabledrl' (the official StableDRL dataloaders' templates);
 - the training reward of a completion: a weighted sum of named terms (`Task.reward`), under a
   named scheme: 'stabledrl' (the official StableDRL code's rewards, the default) or 'd1';
 - the extracted answer, for logs (`Task.parse_answer`);
@@ -50,6 +52,19 @@ class Example:
   reference: str | None = None
 
 
+# The official StableDRL math and GSM8K prompts: the problem, then this (its mixed math/GSM8K
+# dataloader, which both official math configs use, appends it to every problem with no space;
+# its raw string doubles the backslashes, so the model reads "\\boxed{}": kept as published,
+# docs/algorithms.md).
+STABLEDRL_BOXED_INSTRUCTION = (r"(Please put the final answer in \\boxed{} tag, "
+                               r"i.e. $\\boxed{answer here}$)")
+
+
+def stabledrl_boxed_prompt(example: Example) -> str:
+  """The official StableDRL prompt of a math or GSM8K problem."""
+  return example.question + STABLEDRL_BOXED_INSTRUCTION
+
+
 @dataclasses.dataclass(frozen=True)
 class ItemScore:
   """One item's contribution to an accuracy: `correct` out of `total`.
@@ -78,6 +93,11 @@ class RewardTerm:
 # dataloaders' rewards plus `anti_short_boxed_reward`), and d1's (correctness plus format terms).
 REWARD_SCHEMES = ("stabledrl", "d1")
 DEFAULT_REWARD_SCHEME = "stabledrl"
+
+# How a question becomes a prompt (`Task.prompt`): 'd1' (`Task.instruction`, a blank line, the
+# question) or 'stabledrl' (`Task.stabledrl_prompt`, the official dataloaders' templates).
+PROMPT_STYLES = ("d1", "stabledrl")
+DEFAULT_PROMPT_STYLE = "d1"
 
 # StableDRL adds this term to every task's reward (docs/algorithms.md).
 ANTI_SHORT_BOXED = RewardTerm(
@@ -114,6 +134,8 @@ class Task:
     hub_sources: the default Hugging Face dataset of each split ('train', 'test'), where there
       is one: the official StableDRL configs' training sets.
     aliases: other names accepted by `get_task`.
+    stabledrl_prompt: example -> the prompt of the official StableDRL dataloader (its
+      template, instruction included); None if the official code has no such task.
   """
 
   name: str
@@ -124,6 +146,7 @@ class Task:
   example_from_record: Callable[[Mapping[str, Any]], Example]
   hub_sources: Mapping[str, HubSource] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
+  stabledrl_prompt: Callable[[Example], str] | None = None
 
   def __post_init__(self):
     if set(self.rewards) != set(REWARD_SCHEMES):
@@ -136,13 +159,22 @@ class Task:
       raise ValueError(f"Unknown reward scheme {scheme!r}; choose one of {REWARD_SCHEMES}.")
     return self.rewards[scheme]
 
-  def prompt(self, example: Example, *, with_instruction: bool = True) -> str:
-    """The user message: instruction, blank line, question (or the bare question).
+  def prompt(self, example: Example, *, with_instruction: bool = True,
+             style: str = DEFAULT_PROMPT_STYLE) -> str:
+    """The user message in ``style`` (`PROMPT_STYLES`), or the bare question.
 
+    'd1': the instruction, a blank line, the question. 'stabledrl': the official template.
     Chat templates (e.g. LLaDA's) are applied by the tokenizer, not here.
     """
+    if style not in PROMPT_STYLES:
+      raise ValueError(f"Unknown prompt style {style!r}; choose one of {PROMPT_STYLES}.")
     if not with_instruction:
       return example.question
+    if style == "stabledrl":
+      if self.stabledrl_prompt is None:
+        raise ValueError(f"Task {self.name!r} has no official StableDRL prompt; use the 'd1' "
+                         "prompt style.")
+      return self.stabledrl_prompt(example)
     return f"{self.instruction}\n\n{example.question}"
 
   def reward_components(self, completion: str, example: Example,

@@ -29,6 +29,14 @@ INSTRUCTION = (
 _QUESTION = re.compile(r"Numbers:\s*\[([^\]]*)\]\s*Target:\s*(-?\d+)")
 
 
+def stabledrl_prompt(example: base.Example) -> str:
+  """The official StableDRL countdown prompt (its logic_puzzles.py ``collate_fn_countdown``)."""
+  numbers, target = _numbers_and_target(example)
+  return (f"Given numbers {numbers}, find an equation that equals {target}. Please put the "
+          "reasoning in <reasoning> tags and the final equation in <answer> tags, e.g. "
+          "<answer> 1 + 1 </answer>.")
+
+
 def format_question(numbers: Sequence[int], target: int) -> str:
   """The d1 question layout: "Numbers: [49, 55, 53]\\nTarget: 51"."""
   return f"Numbers: {[int(number) for number in numbers]}\nTarget: {int(target)}"
@@ -67,7 +75,7 @@ def _reward(completion: str, example: base.Example) -> float:
 
 def _official_reward(completion: str, example: base.Example) -> float:
   numbers, target = _numbers_and_target(example)
-  return task_rewards.countdown_reward(completion, numbers, target, allow_unused=True)
+  return task_rewards.official_countdown_reward(completion, numbers, target)
 
 
 def _score(completion: str, example: base.Example) -> base.ItemScore:
@@ -87,7 +95,8 @@ TASK = base.register_task(base.Task(
     name="countdown",
     instruction=INSTRUCTION,
     rewards={
-        # StableDRL's: unused numbers allowed; plus its anti-short-boxed term.
+        # StableDRL's: its own parser (<answer> tags, a plain arithmetic string, unused numbers
+        # allowed); plus its anti-short-boxed term.
         "stabledrl": (base.RewardTerm("correctness", 1.0, _official_reward),
                       base.ANTI_SHORT_BOXED),
         "d1": (base.RewardTerm("correctness", 1.0, _reward),),
@@ -97,6 +106,7 @@ TASK = base.register_task(base.Task(
     example_from_record=example_from_record,
     # The official StableDRL config trains on the d1 test file (packaged: "countdown_cd3_test.jsonl").
     hub_sources={"train": base.HubSource("Jiayi-Pan/Countdown-Tasks-3to4", split="train")},
+    stabledrl_prompt=stabledrl_prompt,
 ))
 
 

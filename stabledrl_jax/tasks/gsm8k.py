@@ -37,9 +37,19 @@ def _correctness(completion: str, example: base.Example) -> float:
   return task_rewards.gsm8k_reward(completion, example.ground_truth)
 
 
+def official_gold(example: base.Example) -> str:
+  """The official reward's gold answer: the text after "####" of the GSM8K answer (its
+  ``extract_answer_gsm8k``), else the numeric ground truth written out in full (``:.15g``, so
+  1234567 stays 1234567, not 1.23457e+06)."""
+  if example.reference and "####" in example.reference:
+    return example.reference.split("####")[-1].strip()
+  value = float(example.ground_truth)
+  return str(int(value)) if value.is_integer() else f"{value:.15g}"
+
+
 def _official_correctness(completion: str, example: base.Example) -> float:
   """+1 / -1: math-verify on the whole completion against the number after "####"."""
-  return task_rewards.math_verify_reward(completion, f"{float(example.ground_truth):g}")
+  return task_rewards.math_verify_reward(completion, official_gold(example))
 
 
 def _format_term(function):
@@ -76,4 +86,5 @@ TASK = base.register_task(base.Task(
     hub_sources={"train": base.HubSource("openai/gsm8k", config="main", split="train"),
                  "test": base.HubSource("openai/gsm8k", config="main", split="test")},
     aliases=("gsm",),
+    stabledrl_prompt=base.stabledrl_boxed_prompt,
 ))

@@ -87,4 +87,5 @@ TASK = base.register_task(base.Task(
         "test": base.HubSource("HuggingFaceH4/MATH-500", split="test"),
     },
     aliases=("math",),
+    stabledrl_prompt=base.stabledrl_boxed_prompt,
 ))

@@ -31,6 +31,12 @@ INSTRUCTION = (
     + base.ANSWER_FORMAT.format(answer="the 16 digits of the solved grid"))
 
 
+def stabledrl_prompt(example: base.Example) -> str:
+  """The official StableDRL sudoku prompt (its logic_puzzles.py ``collate_fn_sudoku``)."""
+  return (f"Solve this 4x4 Sudoku puzzle: {puzzle_of(example)}. Use 0 for empty cells. Please "
+          "put the reasoning in <reasoning> tags and the solution string in <answer> tags.")
+
+
 def format_question(puzzle: str) -> str:
   # "Sudoku puzzle: <16 digits>" is where the d1 scorer looks for the puzzle.
   return f"Sudoku puzzle: {puzzle}"
@@ -50,11 +56,21 @@ def puzzle_of(example: base.Example) -> str:
   return puzzle
 
 
+def _grid(value: Any) -> str:
+  """A grid cell string; one read as a number (a CSV loaded by `datasets` or pandas without
+  dtype=str drops leading zeros: 0140... becomes 140...) gets its zeros back, as the official
+  StableDRL loader does (``zfill(16)``)."""
+  text = str(value).strip()
+  if isinstance(value, int) or (text.isdigit() and len(text) < NUM_CELLS):
+    text = text.zfill(NUM_CELLS)
+  return text
+
+
 def example_from_record(record: Mapping[str, Any]) -> base.Example:
   """A CSV row (Puzzle, Solution; any letter case) or a d1 generation record."""
   fields = {key.lower(): value for key, value in record.items()}
   if "puzzle" in fields and "solution" in fields:
-    return make_example(str(fields["puzzle"]), str(fields["solution"]))
+    return make_example(_grid(fields["puzzle"]), _grid(fields["solution"]))
   if "question" in fields and "ground_truth" in fields:
     puzzle = d1_protocol.sudoku_puzzle(str(fields["question"]))
     if puzzle is None:
@@ -85,6 +101,7 @@ TASK = base.register_task(base.Task(
     parse_answer=_parse_answer,
     score=_score,
     example_from_record=example_from_record,
+    stabledrl_prompt=stabledrl_prompt,
 ))
 
 

@@ -54,10 +54,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
   # reward: the scheme (tasks.REWARD_SCHEMES): 'stabledrl' (the official StableDRL code's: its
   # correctness rewards plus anti_short_boxed) or 'd1' (correctness plus format terms).
+  # prompt_style (tasks.PROMPT_STYLES), with with_instruction: 'd1' (the task's instruction in
+  # the d1 layout, then the question) or 'stabledrl' (the official StableDRL templates).
   # reward_workers: processes that score rollouts in parallel (0: in this process; math-verify
   # can take 0.2 s an answer), each answer bounded by reward_timeout_s (past it: reward 0).
   c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False,
-                                          reward="stabledrl", reward_workers=0,
+                                          prompt_style="d1", reward="stabledrl", reward_workers=0,
                                           reward_timeout_s=10.0))
   c.data = ml_collections.ConfigDict(dict(
       train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
@@ -313,7 +315,7 @@ def _paper_setting(task: str, learning_rate: float) -> ml_collections.ConfigDict
   """The paper's RL setting (docs/training.md, "Configs") for ``task``, before the model is chosen."""
   c = base_config()  # seed 113, StableDRL with the SPG sandwich, ratio clip 5, no KL.
   # 512 answers a step, scored by 8 worker processes per host (math-verify is slow).
-  c.task.update(name=task, with_instruction=True, reward_workers=8)
+  c.task.update(name=task, with_instruction=True, prompt_style="stabledrl", reward_workers=8)
   c.data.update(train="hub", eval="hub", train_size=0, eval_size=0)
   c.rollout.update(num_prompts=32, group_size=16, prompt_length=256, gen_length=256,
                    temperature=0.9)

@@ -29,13 +29,15 @@ def make_tokenizer(config: ml_collections.ConfigDict):
 
 
 def format_prompt(tokenizer, task: tasks.Task, example: tasks.Example, *,
-                  with_instruction: bool, assistant_prefix: str = "") -> str:
-  """The prompt text; chat tokenizers wrap it in their chat template.
+                  with_instruction: bool, assistant_prefix: str = "",
+                  style: str = tasks.DEFAULT_PROMPT_STYLE) -> str:
+  """The prompt text in ``style`` (``Task.prompt``); chat tokenizers wrap it in their chat
+  template.
 
   ``assistant_prefix`` starts the assistant's turn of a chat template (d1's evaluation prompts
   end with "<reasoning>"); tokenizers without a template ignore it.
   """
-  text = task.prompt(example, with_instruction=with_instruction)
+  text = task.prompt(example, with_instruction=with_instruction, style=style)
   if hasattr(tokenizer, "chat_prompt"):
     return tokenizer.chat_prompt(text, assistant_prefix=assistant_prefix)
   return text
@@ -181,8 +183,8 @@ class PromptSet:
 
 def encode_examples(config: ml_collections.ConfigDict, tokenizer, task: tasks.Task,
                     examples: Sequence[tasks.Example]) -> PromptSet:
-  texts = [format_prompt(tokenizer, task, ex, with_instruction=config.task.with_instruction)
-           for ex in examples]
+  texts = [format_prompt(tokenizer, task, ex, with_instruction=config.task.with_instruction,
+                         style=config.task.prompt_style) for ex in examples]
   tokens, mask = encode_prompts(tokenizer, texts, config.rollout.prompt_length)
   return PromptSet(list(examples), tokens, mask)
 

@@ -310,6 +310,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(config.sft.batch_size >= 1, "sft.batch_size", "must be >= 1")
   _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
            f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
+  style = config.task.get("prompt_style", tasks.DEFAULT_PROMPT_STYLE)
+  _require(style in tasks.PROMPT_STYLES, "task.prompt_style",
+           f"{style!r} is not one of {tasks.PROMPT_STYLES}")
+  try:
+    official = tasks.get_task(config.task.name).stabledrl_prompt is not None
+  except KeyError:  # task.name's own check below names it.
+    official = True
+  _require(style != "stabledrl" or not config.task.with_instruction or official,
+           "task.prompt_style",
+           f"task {config.task.name!r} has no official StableDRL prompt; use 'd1'")
   _require(config.model.get("download", "each_host") in hub.DOWNLOAD_MODES, "model.download",
            f"{config.model.get('download')!r} is not one of {hub.DOWNLOAD_MODES}")
   for field, value in (("model.checkpoint", config.model.checkpoint),
