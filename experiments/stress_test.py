@@ -4,22 +4,34 @@ r"""Stress test (docs/stress_test.md): does each objective survive exploding imp
 
 Fits the supervised start once (``<workdir>/sft``), then trains every objective from it with the
 same seed and data, once normally and once with ``--fraction`` of the samples given "easy"
-numerator and "hard" denominator masks (``estimator.stress``). Any config field can be
-overridden as usual (``--config.model.family=sdar``, ``--config.train.num_steps=20``).
+numerator and "hard" denominator masks (``estimator.stress``). Each runs with its official mask
+coupling (``estimator.coupled_ratio`` unset: StableDRL, SPG, ESPO and GRPO score l_old on masks
+of their own); with ``--coupled`` (default) each pair runs again with the ratio coupled
+(``normal_coupled``, ``stress_coupled``: l_old on the update's own masks, which removes the
+estimator's ratio noise). A frozen policy (``frozen/normal``: StableDRL at learning rate 1e-12)
+on the same batches is the control: its reward moves with the batches alone. Any config field
+can be overridden as usual (``--config.model.family=sdar``, ``--config.train.num_steps=20``).
+Runs already finished in ``--workdir`` with the same config are read back, not trained again.
 
 Writes ``<workdir>/summary.json``:
 
   {"<objective>/<condition>": {"grad_norm_mean", "grad_norm_max", "explosion_rate",
-                               "final_reward", "max_log10_ratio", ...}}
+                               "final_reward", "reward_sd", "eval_start", "eval_final",
+                               "max_log10_ratio", ...}}
 
-with condition ``normal`` or ``stress``:
+with condition ``normal``, ``stress``, ``normal_coupled`` or ``stress_coupled``:
 
 - ``grad_norm``: the pre-clip global gradient norm of each step (the mean over its inner
   iterations; a non-finite norm counts as exploded and is left out of mean and max);
 - ``explosion_rate``: the fraction of steps whose norm exceeds the objective's own threshold,
   ``--explosion_factor`` x the median norm of its normal run (``explosion_threshold``);
 - ``final_reward``: the mean rollout correctness reward (the task's own, without StableDRL's
-  anti-short-boxed term) of the last ``--final_steps`` steps;
+  anti-short-boxed term) of the last ``--final_steps`` steps, and ``reward_sd`` the standard
+  deviation of those steps' rewards (the batches' own spread: the frozen control's is what a
+  policy that learns nothing shows);
+- ``eval_start``, ``eval_final``: greedy ``eval/accuracy`` (percent of blanks right on the
+  held-out puzzles) before the first step and after the last: no batch noise, so a gain of a few
+  points is visible where the reward's spread hides it;
 - ``max_log10_ratio``: the largest log10 rho the objective saw (None without a ratio; StableDRL's
   is its length-normalized ratio, as the paper defines it);
 - for StableDRL, ``bound_ratio_max``: the largest ||grad|| / (max_j |A_j| ||grad s_j||) over all
@@ -54,11 +66,33 @@ _FINAL_STEPS = flags.DEFINE_integer("final_steps", 5,
                                     "final_reward averages the last this many steps.")
 _OBJECTIVES = flags.DEFINE_list("objectives", None,
                                 "Objectives to run (default: all of sweep.objective_variants()).")
+_COUPLED = flags.DEFINE_bool("coupled", True, "Also run each objective with the ratio coupled "
+                             "(estimator.coupled_ratio=True), normally and stressed.")
+_FROZEN = flags.DEFINE_bool("frozen", True, "Also run the frozen-policy control.")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "Train nothing: summarize the runs already in --workdir (e.g. "
     "with another --explosion_factor or --final_steps).")
 
-CONDITIONS = ("normal", "stress")
+OFFICIAL = ("normal", "stress")
+COUPLED = ("normal_coupled", "stress_coupled")
+FROZEN = "frozen/normal"
+FROZEN_LEARNING_RATE = 1e-12
+
+
+def conditions(coupled: bool) -> tuple[str, ...]:
+  return OFFICIAL + (COUPLED if coupled else ())
+
+
+def run_overrides(name: str, condition: str, fraction: float) -> dict:
+  """Config overrides of one run: the objective's, the stress fraction, the coupling."""
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  overrides = dict(sweep.objective_variants()[name])
+  overrides["estimator.stress.fraction"] = fraction if condition.startswith("stress") else 0.0
+  if condition.endswith("_coupled"):
+    overrides["estimator.coupled_ratio"] = True
+  if overrides["objective.name"] == "stabledrl":  # Its variants too.
+    overrides["train.gradient_bound"] = True
+  return overrides
 
 
 def summarize(result, threshold: float, final_steps: int) -> dict:
@@ -69,12 +103,17 @@ def summarize(result, threshold: float, final_steps: int) -> dict:
   finite = [n for n in norms if math.isfinite(n)]
   ratios = [metric(h, "log10_ratio/max") for h in steps if "log10_ratio/max" in h]
   rewards = [metric(h, REWARD_METRIC) for h in steps[-final_steps:]]
+  evals = sorted((h["step"], metric(h, "eval/accuracy")) for h in result.history
+                 if "eval/accuracy" in h)
   summary = {
       "grad_norm_mean": statistics.fmean(finite) if finite else float("nan"),
       "grad_norm_max": max(finite) if finite else float("nan"),
       "explosion_rate": sum(not math.isfinite(n) or n > threshold for n in norms) / len(norms),
       "explosion_threshold": threshold,
       "final_reward": statistics.fmean(rewards),
+      "reward_sd": statistics.stdev(rewards) if len(rewards) > 1 else float("nan"),
+      "eval_start": evals[0][1] if evals else float("nan"),
+      "eval_final": evals[-1][1] if evals else float("nan"),
       "max_log10_ratio": max(ratios) if ratios else None,
       "nonfinite_steps": len(norms) - len(finite),
       "steps": len(steps),
@@ -103,7 +142,7 @@ def plot(results: dict, names: list[str], path: str) -> None:
   fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.4), sharex=True,
                            squeeze=False)
   for col, name in enumerate(names):
-    for condition, style in zip(CONDITIONS, ("-", "--")):
+    for condition, style in zip(OFFICIAL + COUPLED, ("-", "--", ":", "-.")):
       result = results.get(f"{name}/{condition}")
       if result is None:
         continue
@@ -112,6 +151,11 @@ def plot(results: dict, names: list[str], path: str) -> None:
       axes[0, col].plot(x, [metric(h, "grad_norm") for h in steps], style, label=condition)
       axes[1, col].plot(x, [metric(h, REWARD_METRIC) for h in steps], style,
                         label=condition)
+    frozen = results.get(FROZEN)
+    if frozen is not None:  # The control: the batches' own ups and downs.
+      steps = [h for h in frozen.history if "grad_norm" in h]
+      axes[1, col].plot([h["step"] for h in steps], [metric(h, REWARD_METRIC) for h in steps],
+                        color="0.6", lw=1, label="frozen")
     axes[0, col].set_title(name, fontsize=10)
     axes[0, col].set_yscale("log")
     axes[1, col].set_xlabel("RL step")
@@ -120,39 +164,43 @@ def plot(results: dict, names: list[str], path: str) -> None:
   axes[0, 0].set_ylabel("grad norm (pre-clip)")
   axes[1, 0].set_ylabel("correctness reward (mean)")
   axes[0, 0].legend(fontsize=8)
+  axes[1, 0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
 def markdown_table(summary: dict) -> str:
-  lines = ["| run | grad norm mean | grad norm max | explosion rate | final reward | "
-           "max log10 rho | bound ratio max |", "|---|---|---|---|---|---|---|"]
+  lines = ["| run | grad norm mean | grad norm max | explosion rate | final reward (sd) | "
+           "eval start -> final | max log10 rho | bound ratio max |",
+           "|---|---|---|---|---|---|---|---|"]
   for key, s in summary.items():
     ratio = "-" if s["max_log10_ratio"] is None else f"{s['max_log10_ratio']:.2f}"
     bound = f"{s['bound_ratio_max']:.3f}" if "bound_ratio_max" in s else "-"
     lines.append(f"| {key} | {s['grad_norm_mean']:.4g} | {s['grad_norm_max']:.4g} | "
-                 f"{s['explosion_rate']:.2f} | {s['final_reward']:.3f} | {ratio} | {bound} |")
+                 f"{s['explosion_rate']:.2f} | {s['final_reward']:.3f} ({s['reward_sd']:.3f}) | "
+                 f"{s['eval_start']:.2f} -> {s['eval_final']:.2f} | {ratio} | {bound} |")
   return "\n".join(lines)
 
 
-def run_all(base, workdir: str, names: list[str]) -> dict:
-  """Every objective in both conditions from one supervised start: {"name/condition": result}."""
+def run_all(base, workdir: str, names: list[str], keys: list[str]) -> dict:
+  """Every run of ``keys`` ("name/condition") from one supervised start: {key: result}."""
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
   began = time.perf_counter()
   start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
   print(f"supervised start: {time.perf_counter() - began:.0f} s", flush=True)
+  del names
   results = {}
-  for name in names:
-    for condition in CONDITIONS:
-      overrides = dict(sweep.objective_variants()[name])
-      overrides["estimator.stress.fraction"] = _FRACTION.value if condition == "stress" else 0.0
-      if overrides["objective.name"] == "stabledrl":  # Its variants too.
-        overrides["train.gradient_bound"] = True
-      config = sweep.with_overrides(base, overrides)
-      result = sweep.train_from_start(config, start, os.path.join(workdir, name, condition))
-      results[f"{name}/{condition}"] = result
-      print(f"{name}/{condition}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+  for key in keys:
+    if key == FROZEN:
+      overrides = dict(run_overrides("stabledrl", "normal", 0.0))
+      overrides["optimizer.learning_rate"] = FROZEN_LEARNING_RATE
+    else:
+      overrides = run_overrides(*key.split("/"), _FRACTION.value)
+    config = sweep.with_overrides(base, overrides)
+    result = sweep.train_from_start(config, start, os.path.join(workdir, key), reuse=True)
+    results[key] = result
+    print(f"{key}: {result.wall_s:.0f} s {result.stopped}", flush=True)
   return results
 
 
@@ -170,21 +218,32 @@ def main(argv) -> None:
   if not 0 < _FRACTION.value <= 1:
     raise app.UsageError(f"--fraction must lie in (0, 1], got {_FRACTION.value}")
   began = time.perf_counter()
+  keys = ([FROZEN] if _FROZEN.value else []) + [
+      f"{name}/{condition}" for name in names for condition in conditions(_COUPLED.value)]
   if _SUMMARIZE_ONLY.value:
-    results = {f"{name}/{condition}": sweep.finished_run(os.path.join(workdir, name, condition))
-               for name in names for condition in CONDITIONS}
+    results = {}
+    for key in keys:
+      try:
+        results[key] = sweep.finished_run(os.path.join(workdir, key))
+      except FileNotFoundError:
+        pass
   else:
-    results = run_all(base, workdir, names)
+    results = run_all(base, workdir, names, keys)
 
   summary = {}
-  for name in names:
-    normal = [sweep.metric(h, "grad_norm") for h in results[f"{name}/normal"].history
-              if "grad_norm" in h]
+  for key in keys:
+    if key not in results:
+      continue
+    name, condition = key.split("/")
+    # The threshold of a run: its objective's normal run under the same coupling.
+    reference = results.get(f"{name}/normal_coupled" if condition.endswith("_coupled")
+                            else f"{name}/normal", results[key])
+    normal = [sweep.metric(h, "grad_norm") for h in reference.history if "grad_norm" in h]
     finite = [n for n in normal if math.isfinite(n)]
     threshold = _EXPLOSION_FACTOR.value * (statistics.median(finite) if finite else 0.0)
-    for condition in CONDITIONS:
-      key = f"{name}/{condition}"
-      summary[key] = summarize(results[key], threshold, _FINAL_STEPS.value)
+    summary[key] = summarize(results[key], threshold, _FINAL_STEPS.value)
+  if not summary:
+    raise app.UsageError(f"no finished runs in {workdir}")
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   plot(results, names, os.path.join(workdir, "stress_test.png"))

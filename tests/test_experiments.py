@@ -36,19 +36,37 @@ def run_script(name, *args, check=True, env=None):
 @pytest.mark.slow
 def test_stress_test_writes_summary_and_figure(tmp_path):
   # One objective: every objective's trainer path is tested in tests/test_training.py.
-  out = run_script("stress_test.py", f"--workdir={tmp_path}", "--objectives=stabledrl", *TOY)
+  toy = [*TOY, "--config.train.num_steps=1"]
+  out = run_script("stress_test.py", f"--workdir={tmp_path}", "--objectives=stabledrl", *toy)
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert sorted(summary) == ["stabledrl/normal", "stabledrl/stress"]
+  conditions = ("normal", "stress", "normal_coupled", "stress_coupled")
+  assert sorted(summary) == sorted(["frozen/normal"] + [f"stabledrl/{c}" for c in conditions])
   for entry in summary.values():
-    assert entry["steps"] == 2
-    for field in ("grad_norm_mean", "grad_norm_max", "explosion_rate", "final_reward"):
+    assert entry["steps"] == 1
+    for field in ("grad_norm_mean", "grad_norm_max", "explosion_rate", "final_reward",
+                  "eval_start", "eval_final"):
       assert math.isfinite(entry[field]), (field, entry)
     assert entry["max_log10_ratio"] is not None
-  for condition in ("normal", "stress"):  # The convex-hull bound, measured per update (0 when
-    # every advantage of a toy run is 0; tests/test_training.py checks nontrivial cases).
+  # Each run as configured: official (independent) masks, then coupled; the control frozen.
+  configs = {key: json.loads(json.loads((tmp_path / key / "run_result.json").read_text())["config"])
+             for key in summary}
+  assert configs["stabledrl/stress"]["estimator"]["coupled_ratio"] is None
+  assert configs["stabledrl/stress_coupled"]["estimator"]["coupled_ratio"] is True
+  assert configs["stabledrl/stress"]["estimator"]["stress"]["fraction"] == 0.7
+  assert configs["frozen/normal"]["optimizer"]["learning_rate"] == 1e-12
+  # The frozen control evaluates where it started: its policy did not move.
+  assert summary["frozen/normal"]["eval_final"] == summary["frozen/normal"]["eval_start"]
+  for condition in conditions:  # The convex-hull bound, measured per update (0 when every
+    # advantage of a toy run is 0; tests/test_training.py checks nontrivial cases).
     assert 0 <= summary[f"stabledrl/{condition}"]["bound_ratio_max"] <= 1 + 1e-5
   assert (tmp_path / "stress_test.png").stat().st_size > 0
-  assert "| stabledrl/stress |" in out.stdout
+  assert "| stabledrl/stress |" in out.stdout and "| frozen/normal |" in out.stdout
+  written = {key: (tmp_path / key / "run_result.json").stat().st_mtime_ns for key in summary}
+  run_script("stress_test.py", f"--workdir={tmp_path}", "--objectives=stabledrl", *toy)
+  # Finished runs are read back, not trained again.
+  assert {key: (tmp_path / key / "run_result.json").stat().st_mtime_ns
+          for key in summary} == written
+  assert json.loads((tmp_path / "summary.json").read_text()) == summary
   resummarized = run_script("stress_test.py", f"--workdir={tmp_path}",
                             "--objectives=stabledrl", "--summarize_only",
                             "--explosion_factor=1e9")

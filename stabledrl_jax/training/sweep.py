@@ -81,18 +81,31 @@ class RunResult:
     history: the per-step records of ``metrics.jsonl`` (``step`` included).
     wall_s: seconds the run took, compilation included.
     stopped: why the run ended early ('' if it did not).
+    config: the run's config as JSON ('' for a run from before it was recorded).
   """
 
   history: list[dict[str, Any]]
   wall_s: float
   stopped: str = ""
+  config: str = ""
 
 
-def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str) -> RunResult:
+def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str, *,
+                     reuse: bool = False) -> RunResult:
   """Trains ``config`` in a fresh ``workdir`` from the supervised model at ``start``.
 
-  A run stopped by ``train.max_consecutive_skips`` keeps the steps it logged.
+  A run stopped by ``train.max_consecutive_skips`` keeps the steps it logged. ``reuse``: a run
+  that this function finished in ``workdir`` with the same config is read back, not trained
+  again (a long sweep continues where it was cut); any other content is replaced.
   """
+  identity = config.to_json_best_effort(sort_keys=True)
+  if reuse:
+    try:
+      done = finished_run(workdir)
+    except FileNotFoundError:
+      done = None
+    if done is not None and done.config == identity:
+      return done
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
   shutil.copytree(start, os.path.join(workdir, trainer.SFT_DIR))
@@ -105,8 +118,8 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   wall_s = time.perf_counter() - began
   with open(os.path.join(workdir, _RESULT_FILE), "w") as f:
-    json.dump({"wall_s": wall_s, "stopped": stopped}, f)
-  return RunResult(history=history, wall_s=wall_s, stopped=stopped)
+    json.dump({"wall_s": wall_s, "stopped": stopped, "config": identity}, f)
+  return RunResult(history=history, wall_s=wall_s, stopped=stopped, config=identity)
 
 
 def finished_run(workdir: str) -> RunResult:
@@ -117,7 +130,8 @@ def finished_run(workdir: str) -> RunResult:
   with open(path) as f:
     result = json.load(f)
   history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
-  return RunResult(history=history, wall_s=result["wall_s"], stopped=result["stopped"])
+  return RunResult(history=history, wall_s=result["wall_s"], stopped=result["stopped"],
+                   config=result.get("config", ""))
 
 
 def metric(record: dict[str, Any], name: str) -> float:
