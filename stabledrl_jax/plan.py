@@ -336,10 +336,15 @@ class Planner:
     if what == "train":
       specs.validate(config, num_devices=len(devices))
       return tpu_compile.compile_train_step(config, devices)
+    ways = _ways(config, devices)
     with config.unlocked():
       config.model.remat = False  # Inference: nothing is kept for a backward pass.
+      # The train step's microbatch plays no part here; one that the slice cannot split (the
+      # train row says so) must not refuse the sampler's or the evaluation's row.
+      choices = _chunk_choices(config, ways)
+      if choices and config.train.microbatch_groups not in choices + [0]:
+        config.train.microbatch_groups = choices[-1]
     specs.validate(config, num_devices=len(devices))
-    ways = _ways(config, devices)
     if what == "sampler":
       r = config.rollout
       groups = r.get("microbatch_groups", 0) or r.num_prompts

@@ -157,6 +157,29 @@ def test_settings_this_slice_cannot_take_are_a_row(tmp_path):
   assert candidates == [{"train.microbatch_groups": g, "model.remat": True} for g in (4, 8)]
 
 
+def test_the_train_microbatch_never_refuses_a_sampler_or_evaluate_row(monkeypatch):
+  """The paper's train.microbatch_groups=1 cannot split over 64 chips, but the sampler and the
+  evaluation do not use it: their rows compile (here a stand-in records what it was given)."""
+  given = []
+
+  def compile_decode(config, devices, settings, *, rows, what):
+    given.append((what, rows, config.train.microbatch_groups))
+    memory = dict(argument=1, output=0, alias=0, temp=1, generated_code=0, total=2)
+    return tpu_compile.Result(what, 0.0, memory, None, None)
+
+  monkeypatch.setattr(tpu_compile, "compile_decode", compile_decode)
+  monkeypatch.setattr(plan, "devices_for", lambda name, compiler: [None] * 64)
+  monkeypatch.setattr(plan, "_ways", lambda config, devices: 64)
+  monkeypatch.setattr(plan, "_state_bytes", lambda what, config, devices: {})
+  planner = _planner(config_lib.get("llada8b_gsm8k"), plan.Store("", resume=False), max_ladder=0)
+  for what, settings in (("sampler", {"rollout.microbatch_groups": 32}),
+                         ("evaluate", {"eval.batch_size": 64})):
+    row = planner.row(what, "v5litepod-64", settings, variant={})
+    assert row["error"] is None and row["fits"] is True, row
+  assert [(w, r) for w, r, _ in given] == [("sampler", 512), ("evaluate", 64)]
+  assert all(groups in (4, 8, 16, 32) for _, _, groups in given)
+
+
 def _independent_count(config):
   """2 x (matmul parameters of the blocks) per position through the blocks + 2 x d x V per
   position through the head, attention and the last block's savings left out."""
