@@ -1,11 +1,11 @@
 r"""Objective comparison (experiments/compare_objectives.py) at quickstart scale.
 
   python experiments/compare_objectives.py --config configs/compare_objectives.py \
-      --workdir runs/compare
+      --workdir runs/compare --seeds 0,1,2,3,4
 
 The quickstart's tiny model, task and supervised start, with 60 RL steps per objective (greedy
-eval every 20) so that 6 objectives x 3 seeds fit in well under an hour on 2 CPU cores.
-``experiments/compare_objectives.py`` sets the objective (``sweep.objective_variants()``) and seed.
+eval every 20). ``experiments/compare_objectives.py`` sets the objective and its estimator (its
+``rows()``: no prompt masking, SPG and StableDRL also as published) and the seed.
 """
 
 import pathlib

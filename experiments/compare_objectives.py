@@ -1,25 +1,37 @@
-r"""Every objective under normal conditions: reward, eval accuracy and time per step, over seeds.
+r"""Every objective under normal conditions, like for like: greedy eval over seeds, paired.
 
   python experiments/compare_objectives.py --config configs/compare_objectives.py \
-      --workdir runs/compare --seeds 0,1,2
+      --workdir runs/compare --seeds 0,1,2,3,4
 
-For each seed, fits one supervised start (``<workdir>/seed<S>/sft``) and trains every objective
-of ``sweep.objective_variants()`` from it with that seed. Writes ``<workdir>/comparison.json``:
+For each seed, fits one supervised start (``<workdir>/seed<S>/sft``) and trains every row of
+``rows()`` from it with that seed (same start, same batches). Rows are the objectives with their
+official loss and estimator, except that no row masks prompt tokens: on the toy task the
+completion copies the prompt's digits, and masking 15% of them (the official ``block_random``
+and d1's ``mean_field``) raises the estimator's noise about 15-fold. SPG and StableDRL appear
+twice: with the official ``block_random`` exactly as published (32-token blocks, 15% of the
+prompt masked: their own reference point), and adapted to the toy (one block covering the
+40-token completion, no prompt masking). Every row says which estimator it runs.
 
-  {"<objective>": {"eval_start", "eval_final", "eval_final_std", "eval_best", "reward_final",
-                   "step_s", "seeds": {"<seed>": {"eval": {step: accuracy}, "reward": [...],
-                                                  "step_s", "wall_s", "stopped"}}}}
+Finished runs with the same config are read back, not trained again: a cut comparison continues
+where it stopped. Writes ``<workdir>/comparison.json``:
 
-``eval_*``: greedy ``eval/accuracy`` (percent) at the first / last evaluation and its best, means
-over seeds (``eval_final_std``: their standard deviation); ``reward_final``: mean rollout reward of
-the last 10 steps; ``step_s``: median seconds per RL step after the first (compilation). Also
-draws ``<workdir>/comparison.png`` (reward and eval accuracy against step, means over seeds) and
-prints the table in Markdown. Any config field can be overridden (``--config.train.num_steps=20``).
+  {"<row>": {"estimator", "eval_start", "eval_final", "eval_final_std", "eval_best",
+             "reward_final", "step_s", "paired": {"reference", "n", "mean", "low", "high"},
+             "seeds": {"<seed>": {"eval": {step: accuracy}, "reward": [...], "step_s",
+                                  "wall_s", "stopped"}}}}
+
+``eval_*``: greedy ``eval/accuracy`` (percent of blanks right on 256 held-out puzzles) at the
+first / last evaluation and its best, means over seeds; ``paired``: the mean over seeds of this
+row's final eval minus the reference row's (``--reference``, the adapted StableDRL) from the
+same seed, with a 95% Student-t interval (a paired difference removes the spread of the
+starts); ``reward_final``: mean rollout reward of the last 10 steps; ``step_s``: median seconds
+per RL step after the first. Also draws ``<workdir>/comparison.png`` and prints the table.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -30,13 +42,56 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_objectives.py",
                                           "Path to a get_config() file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each gets its own start.")
-_OBJECTIVES = flags.DEFINE_list("objectives", None,
-                                "Objectives to run (default: all of sweep.objective_variants()).")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds; each gets its own start.")
+_ROWS = flags.DEFINE_list("rows", None, "Rows to run (default: all of rows()).")
+_REFERENCE = flags.DEFINE_string("reference", "stabledrl",
+                                 "The row every other is paired against.")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "Train nothing: summarize the finished runs in --workdir (e.g. "
     "those of an interrupted comparison).")
 _FINAL_STEPS = 10
+OFFICIAL_SUFFIX = "_official"
+
+
+def rows(completion_length: int) -> dict[str, tuple[dict, str]]:
+  """{row name: (config overrides, the estimator it runs, in words)}.
+
+  Every objective variant (``sweep.objective_variants()``) with no prompt masking; SPG's and
+  StableDRL's with one ``block_random`` block over the whole completion, and again as published
+  (``<name>_official``).
+  """
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, overrides in sweep.objective_variants().items():
+    objective = overrides["objective.name"]
+    if objective in ("spg", "stabledrl"):
+      out[name] = ({**overrides, "estimator.prompt_mask_prob": 0.0,
+                    "estimator.block_length": completion_length},
+                   f"block_random, one block of {completion_length}, no prompt masking")
+      if name == objective:
+        out[name + OFFICIAL_SUFFIX] = (overrides, "block_random as published: blocks of 32, "
+                                       "15% of the prompt masked")
+    elif objective == "grpo" and "token" in name or objective == "wd1":
+      out[name] = ({**overrides, "estimator.prompt_mask_prob": 0.0},
+                   "mean_field (one sample), no prompt masking")
+    elif objective == "espo":
+      out[name] = (overrides, "espo_elbo (complementary pairs), as published")
+    else:
+      out[name] = (overrides, "elbo, as published")
+  return out
+
+
+def paired(diffs: list[float]) -> dict:
+  """Mean of paired differences with a 95% Student-t interval (n - 1 degrees of freedom)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  n = len(diffs)
+  if n == 0:
+    return {"n": 0, "mean": math.nan, "low": math.nan, "high": math.nan}
+  mean = statistics.fmean(diffs)
+  if n == 1:
+    return {"n": 1, "mean": mean, "low": math.nan, "high": math.nan}
+  half = float(stats.t.ppf(0.975, n - 1)) * statistics.stdev(diffs) / math.sqrt(n)
+  return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
 
 
 def run_summary(result) -> dict:
@@ -50,18 +105,28 @@ def run_summary(result) -> dict:
           "stopped": result.stopped}
 
 
-def objective_summary(per_seed: dict) -> dict:
-  """Means over seeds of one objective's runs."""
+def _final(run: dict) -> float:
+  return run["eval"][max(run["eval"])]
+
+
+def row_summary(per_seed: dict, estimator: str, reference: dict | None,
+                reference_name: str) -> dict:
+  """Means over seeds of one row's runs, and its paired difference from the reference's."""
   runs = list(per_seed.values())
-  finals = [r["eval"][max(r["eval"])] for r in runs if r["eval"]]
+  finals = [_final(r) for r in runs if r["eval"]]
   mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
+  common = sorted(s for s in per_seed if reference and s in reference and per_seed[s]["eval"]
+                  and reference[s]["eval"])
   return {
+      "estimator": estimator,
       "eval_start": mean([r["eval"][min(r["eval"])] for r in runs if r["eval"]]),
       "eval_final": mean(finals),
       "eval_final_std": statistics.pstdev(finals) if finals else float("nan"),
       "eval_best": mean([max(r["eval"].values()) for r in runs if r["eval"]]),
       "reward_final": mean([mean(r["reward"][-_FINAL_STEPS:]) for r in runs]),
       "step_s": mean([r["step_s"] for r in runs]),
+      "paired": {"reference": reference_name, **paired(
+          [_final(per_seed[s]) - _final(reference[s]) for s in common])},
       "seeds": per_seed,
   }
 
@@ -71,31 +136,42 @@ def plot(comparison: dict, path: str) -> None:
   matplotlib.use("Agg")  # Files only: no display needed.
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  fig, (reward_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (reward_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4.2))
   for name, entry in comparison.items():
     runs = list(entry["seeds"].values())
+    style = "--" if name.endswith(OFFICIAL_SUFFIX) else "-"
     length = min(len(r["reward"]) for r in runs)
     rewards = [statistics.fmean(r["reward"][i] for r in runs) for i in range(length)]
-    reward_ax.plot(range(1, length + 1), rewards, label=name)
+    reward_ax.plot(range(1, length + 1), rewards, style, label=name)
     steps = sorted(set.intersection(*(set(r["eval"]) for r in runs)))
     eval_ax.plot(steps, [statistics.fmean(r["eval"][s] for r in runs) for s in steps],
-                 marker="o", label=name)
+                 style, marker="o", label=name)
   reward_ax.set(xlabel="RL step", ylabel="rollout reward (mean over seeds)")
   eval_ax.set(xlabel="RL step", ylabel="greedy eval accuracy, % (mean over seeds)")
   for ax in (reward_ax, eval_ax):
     ax.grid(alpha=0.3)
-  eval_ax.legend(fontsize=8)
+  eval_ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
 def markdown_table(comparison: dict) -> str:
-  lines = ["| objective | seeds | eval start | eval final (mean +- sd) | eval best | final reward | "
-           "s / step |", "|---|---|---|---|---|---|---|"]
+  lines = ["| row | estimator | seeds | eval start | eval final (mean +- sd) | "
+           "final minus StableDRL's, same seed (95% CI) | final reward | s / step |",
+           "|---|---|---|---|---|---|---|---|"]
   for name, e in comparison.items():
-    lines.append(f"| {name} | {len(e['seeds'])} | {e['eval_start']:.2f} | {e['eval_final']:.2f} "
-                 f"+- {e['eval_final_std']:.2f} | {e['eval_best']:.2f} | "
+    p = e["paired"]
+    if name == p["reference"]:
+      diff = "(reference)"
+    elif p["n"] >= 2:
+      diff = f"{p['mean']:+.2f} [{p['low']:+.2f}, {p['high']:+.2f}]"
+    elif p["n"] == 1:
+      diff = f"{p['mean']:+.2f} (one seed)"
+    else:
+      diff = "-"
+    lines.append(f"| {name} | {e['estimator']} | {len(e['seeds'])} | {e['eval_start']:.2f} | "
+                 f"{e['eval_final']:.2f} +- {e['eval_final_std']:.2f} | {diff} | "
                  f"{e['reward_final']:.3f} | {e['step_s']:.2f} |")
   return "\n".join(lines)
 
@@ -107,10 +183,13 @@ def main(argv) -> None:
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
-  try:
-    names = sweep.select_objectives(_OBJECTIVES.value)
-  except ValueError as error:
-    raise app.UsageError(f"--objectives: {error}") from None
+  known = rows(base.rollout.gen_length)
+  names = list(_ROWS.value or known)
+  unknown = sorted(set(names) - set(known))
+  if unknown:
+    raise app.UsageError(f"--rows: unknown {unknown}; known: {list(known)}")
+  if _REFERENCE.value not in known:
+    raise app.UsageError(f"--reference {_REFERENCE.value!r}: not one of {list(known)}")
   try:
     seeds = [int(s) for s in _SEEDS.value]
   except ValueError:
@@ -118,7 +197,7 @@ def main(argv) -> None:
   if base.eval.every_steps <= 0:
     raise app.UsageError("--config.eval.every_steps must be > 0: the comparison needs evals")
   began = time.perf_counter()
-  per_objective = {name: {} for name in names}
+  per_row = {name: {} for name in names}
   for seed in seeds:
     seeded = sweep.with_overrides(base, {"seed": seed})
     if not _SUMMARIZE_ONLY.value:
@@ -131,15 +210,17 @@ def main(argv) -> None:
         except FileNotFoundError:
           continue
       else:
-        config = sweep.with_overrides(seeded, sweep.objective_variants()[name])
-        result = sweep.train_from_start(config, start, run_dir)
+        config = sweep.with_overrides(seeded, known[name][0])
+        result = sweep.train_from_start(config, start, run_dir, reuse=True)
         print(f"seed {seed} {name}: {result.wall_s:.0f} s {result.stopped}", flush=True)
-      per_objective[name][str(seed)] = run_summary(result)
-  per_objective = {name: runs for name, runs in per_objective.items() if runs}
-  if not per_objective:
+      per_row[name][str(seed)] = run_summary(result)
+  per_row = {name: runs for name, runs in per_row.items() if runs}
+  if not per_row:
     raise app.UsageError(f"no finished runs in {workdir}")
 
-  comparison = {name: objective_summary(runs) for name, runs in per_objective.items()}
+  reference = per_row.get(_REFERENCE.value)
+  comparison = {name: row_summary(runs, known[name][1], reference, _REFERENCE.value)
+                for name, runs in per_row.items()}
   with open(os.path.join(workdir, "comparison.json"), "w") as f:
     json.dump(comparison, f, indent=2)
   plot(comparison, os.path.join(workdir, "comparison.png"))

@@ -78,25 +78,41 @@ def test_stress_test_writes_summary_and_figure(tmp_path):
 
 @pytest.mark.slow
 def test_compare_objectives_writes_table_and_figure(tmp_path):
-  run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0",
-             "--objectives=stabledrl", "--config.eval.every_steps=1", *TOY)
+  run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0,1",
+             "--rows=stabledrl,spg_official", "--config.eval.every_steps=1", *TOY)
   comparison = json.loads((tmp_path / "comparison.json").read_text())
-  assert sorted(comparison) == ["stabledrl"]
+  assert sorted(comparison) == ["spg_official", "stabledrl"]
   for entry in comparison.values():
     assert sorted(entry["seeds"]["0"]["eval"]) == ["0", "1", "2"]  # Steps, as JSON keys.
     assert len(entry["seeds"]["0"]["reward"]) == 2
     assert 0 <= entry["eval_final"] <= 100 and entry["step_s"] > 0
+  # The paired difference: per seed, the row's final eval minus the reference's.
+  final = lambda row, seed: comparison[row]["seeds"][seed]["eval"]["2"]
+  diffs = [final("spg_official", s) - final("stabledrl", s) for s in ("0", "1")]
+  p = comparison["spg_official"]["paired"]
+  assert p["reference"] == "stabledrl" and p["n"] == 2
+  assert p["mean"] == pytest.approx(sum(diffs) / 2)
+  half = 12.706205 * abs(diffs[0] - diffs[1]) / 2  # t(0.975, 1) x sd / sqrt(2)
+  assert (p["low"], p["high"]) == pytest.approx((p["mean"] - half, p["mean"] + half))
+  assert comparison["stabledrl"]["paired"]["mean"] == 0
+  # Each row runs the estimator it names.
+  configs = {row: json.loads(json.loads(
+      (tmp_path / "seed0" / row / "run_result.json").read_text())["config"]) for row in comparison}
+  assert configs["stabledrl"]["estimator"]["prompt_mask_prob"] == 0.0
+  assert configs["stabledrl"]["estimator"]["block_length"] == 40
+  assert configs["spg_official"]["estimator"]["prompt_mask_prob"] is None  # the official 0.15
   assert (tmp_path / "comparison.png").stat().st_size > 0
   # An interrupted comparison is summarized from the runs that finished.
   (tmp_path / "comparison.json").unlink()
-  run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0,1",
-             "--objectives=wd1,stabledrl", "--summarize_only")  # Only seed 0 / stabledrl ran.
+  run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0,1,2",
+             "--rows=wd1,stabledrl,spg_official", "--summarize_only")
   assert json.loads((tmp_path / "comparison.json").read_text()) == comparison
 
 
-@pytest.mark.parametrize("script", ["stress_test.py", "compare_objectives.py"])
-def test_unknown_objective_is_a_usage_error(script, tmp_path):
-  out = run_script(script, f"--workdir={tmp_path}", "--objectives=ppo", check=False)
+@pytest.mark.parametrize("script,flag", [("stress_test.py", "--objectives"),
+                                         ("compare_objectives.py", "--rows")])
+def test_unknown_objective_is_a_usage_error(script, flag, tmp_path):
+  out = run_script(script, f"--workdir={tmp_path}", f"{flag}=ppo", check=False)
   assert out.returncode != 0 and "ppo" in out.stderr
   assert not any(tmp_path.iterdir())  # Refused before anything ran.
 
