@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -849,3 +850,25 @@ def test_rollout_chunks_that_do_not_divide_the_prompts_are_a_config_error(tmp_pa
   config = tiny_config(**{"rollout.microbatch_groups": 3, "train.num_steps": 1})
   with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=3 does not divide"):
     trainer.train(config, str(tmp_path))
+
+
+def test_kl_to_start_is_zero_at_the_start_and_measured_against_it_after_a_resume(tmp_path,
+                                                                                 sft_start):
+  """diagnostics.kl_to_start: l_old - l_start on one set of masks, so 0 exactly before the
+  first update; a resumed run measures against the supervised start (read back from
+  sft_model), as the uninterrupted one does."""
+  # A constant learning rate: the cut run's schedule (over 2 steps) is then the whole one's.
+  config = tiny_config(**{"diagnostics.kl_to_start": True, "train.num_steps": 3,
+                          "optimizer.learning_rate": 1e-2, "optimizer.schedule": "constant"})
+  whole = workdir_with_start(tmp_path / "whole", sft_start)
+  history = trainer.train(config, str(whole))
+  kl = [h["kl_start/mean"] for h in history]
+  assert kl[0] == 0.0 and all(math.isfinite(x) for x in kl) and kl[2] != 0.0
+  cut = workdir_with_start(tmp_path / "cut", sft_start)
+  trainer.train(sweep.with_overrides(config, {"train.num_steps": 2}), str(cut))
+  resumed = trainer.train(config, str(cut))
+  assert [h["step"] for h in resumed] == [3]
+  assert resumed[0]["kl_start/mean"] == pytest.approx(kl[2], rel=1e-4, abs=1e-6)
+  shutil.rmtree(cut / trainer.SFT_DIR)
+  with pytest.raises(ValueError, match="supervised start is gone"):
+    trainer.train(sweep.with_overrides(config, {"train.num_steps": 4}), str(cut))

@@ -155,9 +155,10 @@ def base_config() -> ml_collections.ConfigDict:
   # spike_factor x the median of the previous spike_window steps' (known for at least
   # spike_min_history steps), or that skipped an update as non-finite, leaves its rollouts,
   # rewards, advantages, per-sample log ratios and weights in <workdir>/spikes/step_<n>.npz
-  # (spike_factor 0: non-finite steps only).
+  # (spike_factor 0: non-finite steps only). kl_to_start: log kl_start/mean, the policy's KL
+  # divergence from the start of RL on its own rollouts (one more scoring pass a step).
   c.diagnostics = ml_collections.ConfigDict(dict(spike_factor=10.0, spike_window=20,
-                                                 spike_min_history=5))
+                                                 spike_min_history=5, kl_to_start=False))
   # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since
   # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,

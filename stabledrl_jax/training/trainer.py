@@ -378,11 +378,15 @@ class Trainer:
         model = supervised_start(config, self.workdir, model, self.tokenizer, self.task,
                                  self.train_examples, self.mesh, self._log_sft,
                                  stop=self.watcher.reached)
-      # On resume the checkpoint holds the parameters; the SFT start is not needed.
+      # On resume the checkpoint holds the parameters; the SFT start is needed only as the
+      # start of RL that KL terms and kl_to_start measure against.
+      elif needs_start(config):
+        model = resumed_start(config, self.workdir, self.mesh)
     self.model_config = model.config
     self.graphdef, params = nnx.split(model, nnx.Param)
     # The reference for KL terms is the start of RL, frozen.
     self.ref_params = params if specs.uses_reference(config) else None
+    self.start_params = params if config.diagnostics.get("kl_to_start", False) else None
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
@@ -632,6 +636,10 @@ class Trainer:
     if self.ref_params is not None:
       ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
 
+    kl_start = None
+    if self.start_params is not None:  # KL(pi_old || pi_start), on pi_old's own rollouts.
+      kl_start = self._kl_to_start(batch, key_old, None if old is None else old[0])
+
     inner = []
     for i, inner_key in enumerate(inner_keys):
       if old is not None:
@@ -649,6 +657,8 @@ class Trainer:
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics.update(_ratio_noise([float(m["log_ratio/var"]) for m in inner
                                  if "log_ratio/var" in m]))
+    if kl_start is not None:
+      metrics["kl_start/mean"] = float(kl_start)
     # StableDRL's adaptive clip: the next step's bound, from this step's clipped fraction.
     log_clip_hi = float(self.state.log_clip_hi)
     if hasattr(self.objective_params, "next_log_clip"):
@@ -704,6 +714,15 @@ class Trainer:
         **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
     })
     return metrics
+
+  def _kl_to_start(self, batch: rl_loss.RolloutBatch, key: jax.Array, old) -> jax.Array:
+    """mean(l_old - l_start) over the batch's rollouts, both scored on the same masks (their
+    noise largely cancels): an estimate of KL(pi_old || pi_start), since the rollouts are
+    pi_old's own samples. Token-level estimates are summed over each completion."""
+    del old  # The stress test scores l_old on other masks; both are scored here on one.
+    now = self.estimate_no_grad(self.state.params, batch, key)
+    start = self.estimate_no_grad(self.start_params, batch, key)
+    return _mean_sequence_gap(now, start, batch.completion_mask)
 
   def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
                     per_sample: dict[str, np.ndarray], tokens: np.ndarray, rewards: np.ndarray,
@@ -867,6 +886,31 @@ class Trainer:
 def _one_line(error: BaseException) -> str:
   """``error``'s type and message on one line (tensorstore's span many), at most 300 chars."""
   return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+
+
+@jax.jit
+def _mean_sequence_gap(now: jax.Array, start: jax.Array, completion_mask: jax.Array) -> jax.Array:
+  """mean over rows of now - start: [N] sequence estimates, or [N, L] token ones (summed over
+  the completion)."""
+  gap = now - start
+  if gap.ndim == 2:
+    gap = jnp.sum(jnp.where(completion_mask, gap, 0.0), axis=-1)
+  return jnp.mean(gap)
+
+
+def needs_start(config: ml_collections.ConfigDict) -> bool:
+  """Whether a run keeps the start of RL: a KL reference, or the kl_to_start diagnostic."""
+  return specs.uses_reference(config) or bool(config.diagnostics.get("kl_to_start", False))
+
+
+def resumed_start(config: ml_collections.ConfigDict, workdir, mesh) -> nnx.Module:
+  """The supervised start of a resumed run, read back from ``<workdir>/sft_model``."""
+  path = epath.Path(workdir) / SFT_DIR
+  if not (path / "config.json").exists():
+    raise ValueError(f"{path}: the supervised start is gone, and the run's KL reference "
+                     "(or diagnostics.kl_to_start) is measured against it; restore it, or "
+                     "start the run in a new workdir")
+  return _check_loaded(config, _load_pretrained(path, mesh, config), path)
 
 
 def _ratio_noise(variances: list[float]) -> dict[str, float]:
