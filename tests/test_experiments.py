@@ -3,6 +3,8 @@
 The notebooks themselves are executed by nbmake (``pytest --nbmake notebooks``, in CI).
 """
 
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -308,3 +310,74 @@ def test_quickstart_gains_ten_points_for_seed_0(tmp_path):
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   accuracy = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
   assert accuracy[-1] - accuracy[0] >= 10.0, accuracy
+
+
+@functools.cache
+def _load_experiment(name):
+  spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_ratio_noise_study_marks_collapse_by_its_three_rules():
+  study = _load_experiment("ratio_noise_study")
+  rules = dict(eval_margin=2.0, reward_margin=0.02, window=3)
+
+  def history(rewards, evals=(), skipped=()):
+    """Steps 1..n with these rewards; evals[0] at step 0, evals[k] at step 3k."""
+    first_skip = min(skipped, default=len(rewards) + 1)
+    records = [{"step": s, "rewards/correctness": r, "skipped_steps": int(s >= first_skip)}
+               for s, r in enumerate(rewards, start=1)]
+    for k, value in enumerate(evals[1:], start=1):
+      records[3 * k - 1]["eval/accuracy"] = value
+    return ([{"step": 0, "eval/accuracy": evals[0]}] if evals else []) + records
+
+  flat = [0.5] * 9
+  assert study.collapse(history(flat, (50, 51, 49, 50)), **rules) is None  # within the margins
+  fell = study.collapse(history(flat, (50, 55, 47)), **rules)
+  assert fell["step"] == 6 and "eval" in fell["why"]
+  assert study.collapse(history(flat, (50, 47, 40)), **rules) is None  # never rose: not collapse
+  fell = study.collapse(history([0.5] * 3 + [0.6] * 3 + [0.4] * 3), **rules)
+  assert fell["step"] == 8 and "reward" in fell["why"]  # (0.6 + 2 x 0.4) / 3 <= 0.48
+  fell = study.collapse(history(flat, skipped=(4,)), **rules)
+  assert fell == {"step": 4, "why": "a non-finite update was skipped"}
+
+
+def test_ratio_noise_study_runs_each_row_as_it_says():
+  study = _load_experiment("ratio_noise_study")
+  rows = study.rows()
+  assert sorted(rows) == sorted([
+      "grpo_sequence", "grpo_sequence_independent", "espo", "espo_independent", "stabledrl",
+      "spg", "wd1", "grpo_sequence_stress", "espo_stress", "stabledrl_stress", "frozen"])
+  assert rows["espo_independent"]["estimator.coupled_ratio"] is False
+  assert "estimator.coupled_ratio" not in rows["stabledrl"]  # its official masks: independent
+  assert rows["frozen"]["optimizer.learning_rate"] == 1e-12
+  keys = study.run_keys(["stabledrl", "stabledrl_stress", "frozen"], [2, 4, 8])
+  assert keys == [("stabledrl", 2), ("stabledrl", 4), ("stabledrl", 8), ("stabledrl_stress", 2),
+                  ("frozen", 2)]
+
+
+@pytest.mark.slow
+def test_ratio_noise_study_writes_table_and_figure_and_resumes_a_cut_run(tmp_path):
+  args = [f"--workdir={tmp_path}", "--rows=stabledrl,espo_independent", "--mu=1,2", *TOY,
+          "--config.eval.every_steps=1", "--config.checkpoint.every_steps=1"]
+  out = run_script("ratio_noise_study.py", *args)
+  study = json.loads((tmp_path / "study.json").read_text())
+  assert sorted(study) == ["espo_independent/mu1", "espo_independent/mu2", "stabledrl/mu1",
+                           "stabledrl/mu2"]
+  for entry in study.values():
+    assert entry["steps"] == [1, 2] and sorted(entry["eval"]) == ["0", "1", "2"]
+    assert entry["curves"]["kl_start"][0] == 0.0  # before the first update
+    assert all(math.isfinite(x) for x in entry["curves"]["log_ratio_var"])
+  assert study["stabledrl/mu2"]["ess_min"] is not None
+  assert study["espo_independent/mu1"]["ess_min"] is None
+  assert (tmp_path / "study.png").stat().st_size > 0
+  assert "| stabledrl | 2 |" in out.stdout
+  # A run cut short resumes from its checkpoint: its logged steps are kept, not retrained.
+  run = tmp_path / "stabledrl" / "mu2"
+  (run / "run_result.json").unlink()
+  (run / "marker").write_text("")  # A run trained anew starts from an empty directory.
+  run_script("ratio_noise_study.py", *args)
+  assert (run / "marker").exists() and (run / "run_result.json").exists()
+  assert json.loads((tmp_path / "study.json").read_text())["stabledrl/mu2"]["steps"] == [1, 2]

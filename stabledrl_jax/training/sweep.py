@@ -19,6 +19,7 @@ from stabledrl_jax import losses
 from stabledrl_jax.training import metrics_writer, trainer
 
 _RESULT_FILE = "run_result.json"
+_BEGUN_FILE = "run_config.json"  # Written when a run starts: a cut run of this config resumes.
 # The reward the sweeps report: the task's correctness term (every task has one), without the
 # terms every completion gets (StableDRL's anti-short-boxed reward).
 REWARD_METRIC = "rewards/correctness"
@@ -96,9 +97,13 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
 
   A run stopped by ``train.max_consecutive_skips`` keeps the steps it logged. ``reuse``: a run
   that this function finished in ``workdir`` with the same config is read back, not trained
-  again (a long sweep continues where it was cut); any other content is replaced.
+  again, and one it began with the same config but did not finish resumes from its latest
+  checkpoint (a long sweep continues where it was cut); any other content is replaced. A
+  resumed run's ``wall_s`` counts this sitting only.
   """
   identity = config.to_json_best_effort(sort_keys=True)
+  begun = os.path.join(workdir, _BEGUN_FILE)
+  resume = False
   if reuse:
     try:
       done = finished_run(workdir)
@@ -106,9 +111,15 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
       done = None
     if done is not None and done.config == identity:
       return done
-  shutil.rmtree(workdir, ignore_errors=True)
-  os.makedirs(workdir)
-  shutil.copytree(start, os.path.join(workdir, trainer.SFT_DIR))
+    if done is None and os.path.exists(begun):  # Cut short: the trainer resumes it.
+      with open(begun) as f:
+        resume = f.read() == identity
+  if not resume:
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    shutil.copytree(start, os.path.join(workdir, trainer.SFT_DIR))
+    with open(begun, "w") as f:
+      f.write(identity)
   began = time.perf_counter()
   stopped = ""
   try:

@@ -1,0 +1,262 @@
+r"""Where do ratio-based objectives collapse under estimated likelihoods, and does StableDRL hold?
+
+  python experiments/ratio_noise_study.py --config configs/ratio_noise_study.py \
+      --workdir runs/ratio_noise_study [--mu 2,4,8] [--rows ...]
+
+Runs, each from the same supervised start with the same seed and batches (quickstart scale,
+200 RL steps by default):
+
+- the ratio-based objectives, sequence-level GRPO, ESPO and StableDRL, each with its official
+  mask coupling (``<name>``: GRPO and ESPO score l_old on each update's own masks, StableDRL on
+  masks of its own) and with independent masks (``<name>_independent``: the ratio then carries
+  the estimator's noise; StableDRL's official coupling already is this);
+- SPG and wd1, which have no importance ratio, as references;
+- each at mu = 2, 4 and 8 inner updates per rollout batch (``train.num_iterations``: the policy
+  drifts further from pi_old with every update), and the ratio-based ones also stressed
+  (``<name>_stress``: ``--stress_fraction`` of the samples scored on easy l_theta and hard
+  l_old masks, docs/stress_test.md) at the smallest mu;
+- a frozen-policy control (StableDRL at learning rate 1e-12): its curves move with the batches
+  alone.
+
+Per run it records the rollout reward and greedy eval curves, the pre-clip gradient norm, the
+variance of log rho over the batch (``log_ratio/var``), StableDRL's effective sample size, the
+KL from the start (``kl_start/mean``) and skipped (non-finite) steps, and marks collapse:
+
+- a skipped step (a non-finite loss or gradient), or
+- greedy eval below its start by more than ``--eval_margin`` points after having risen above it
+  by as much, or
+- the rollout reward's ``--window``-step mean below its first window's after having risen above
+  it by ``--reward_margin``.
+
+Finished runs with the same config are read back, and a cut run resumes from its checkpoint, so
+the study can be continued in several sittings. Writes ``<workdir>/study.json``, draws
+``<workdir>/study.png`` and prints the table in Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/ratio_noise_study.py",
+                                          "Path to a get_config() file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
+_MU = flags.DEFINE_list("mu", ["2", "4", "8"], "Inner updates per rollout batch to run.")
+_ROWS = flags.DEFINE_list("rows", None, "Rows to run (default: all of rows()).")
+_STRESS_FRACTION = flags.DEFINE_float("stress_fraction", 0.7, "The stressed rows' fraction.")
+_EVAL_MARGIN = flags.DEFINE_float("eval_margin", 2.0, "Collapse: eval points below the start, "
+                                  "after having been as far above it.")
+_REWARD_MARGIN = flags.DEFINE_float("reward_margin", 0.02, "Collapse: reward below the first "
+                                    "window's mean, after having been as far above it.")
+_WINDOW = flags.DEFINE_integer("window", 20, "Steps of the reward's moving mean.")
+_SUMMARIZE_ONLY = flags.DEFINE_bool("summarize_only", False,
+                                    "Train nothing: summarize the finished runs in --workdir.")
+
+RATIO_BASED = ("grpo_sequence", "espo", "stabledrl")
+REFERENCES = ("spg", "wd1")
+FROZEN = "frozen"
+FROZEN_LEARNING_RATE = 1e-12
+CURVES = {"reward": None, "grad_norm": "grad_norm",  # reward: sweep.REWARD_METRIC
+          "log_ratio_var": "log_ratio/var", "ess": "snis/ess", "kl_start": "kl_start/mean"}
+
+
+def rows() -> dict[str, dict]:
+  """{row: config overrides, mu aside}."""
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  variants = sweep.objective_variants()
+  out = {}
+  for name in RATIO_BASED:
+    out[name] = dict(variants[name])
+    if name != "stabledrl":  # StableDRL's official masks are the independent ones.
+      out[f"{name}_independent"] = {**variants[name], "estimator.coupled_ratio": False}
+  for name in REFERENCES:
+    out[name] = dict(variants[name])
+  for name in RATIO_BASED:
+    out[f"{name}_stress"] = {**variants[name], "estimator.stress.fraction": None}
+  out[FROZEN] = {**variants["stabledrl"], "optimizer.learning_rate": FROZEN_LEARNING_RATE}
+  return out
+
+
+def run_keys(names: list[str], mus: list[int]) -> list[tuple[str, int]]:
+  """(row, mu) of every run: stressed rows and the control at the smallest mu only."""
+  keys = []
+  for name in names:
+    once = name.endswith("_stress") or name == FROZEN
+    keys += [(name, mu) for mu in (mus[:1] if once else mus)]
+  return keys
+
+
+def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
+             window: int) -> dict | None:
+  """The first sign of collapse in a run's history (see the module docstring), or None."""
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  steps = [h for h in history if REWARD_METRIC in h]
+  skipped = 0
+  for h in steps:
+    if int(h.get("skipped_steps", 0)) > skipped:
+      return {"step": h["step"], "why": "a non-finite update was skipped"}
+  evals = sorted((h["step"], metric(h, "eval/accuracy")) for h in history
+                 if "eval/accuracy" in h)
+  if evals:
+    start, rose = evals[0][1], False
+    for step, value in evals[1:]:
+      rose = rose or value >= start + eval_margin
+      if rose and value <= start - eval_margin:
+        return {"step": step, "why": f"eval {value:.1f} < start {start:.1f} after rising"}
+  rewards = [metric(h, REWARD_METRIC) for h in steps]
+  if len(rewards) >= 2 * window:
+    first, rose = statistics.fmean(rewards[:window]), False
+    for end in range(window, len(rewards) + 1):
+      mean = statistics.fmean(rewards[end - window:end])
+      rose = rose or mean >= first + reward_margin
+      if rose and mean <= first - reward_margin:
+        return {"step": steps[end - 1]["step"],
+                "why": f"reward {mean:.3f} < first {first:.3f} after rising"}
+  return None
+
+
+def run_summary(result, **criteria) -> dict:
+  """Curves and the summary statistics of one run."""
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  steps = [h for h in result.history if "grad_norm" in h]
+  curves = {name: [metric(h, key or REWARD_METRIC) if (key or REWARD_METRIC) in h else None
+                   for h in steps] for name, key in CURVES.items()}
+  evals = {h["step"]: metric(h, "eval/accuracy") for h in result.history
+           if "eval/accuracy" in h}
+  finite = lambda xs: [x for x in xs if x is not None and math.isfinite(x)]
+  norms, ratio_var = finite(curves["grad_norm"]), finite(curves["log_ratio_var"])
+  ess, kl = finite(curves["ess"]), finite(curves["kl_start"])
+  return {
+      "steps": [h["step"] for h in steps], "curves": curves, "eval": evals,
+      "eval_start": evals[min(evals)] if evals else math.nan,
+      "eval_best": max(evals.values()) if evals else math.nan,
+      "eval_final": evals[max(evals)] if evals else math.nan,
+      "grad_norm_max": max(norms) if norms else math.nan,
+      "log_ratio_var_mean": statistics.fmean(ratio_var) if ratio_var else None,
+      "ess_min": min(ess) if ess else None,
+      "kl_final": kl[-1] if kl else None,
+      "skipped_steps": int(result.history[-1].get("skipped_steps", 0)) if result.history else 0,
+      "collapse": collapse(result.history, **criteria),
+      "wall_s": result.wall_s, "stopped": result.stopped,
+  }
+
+
+def plot(study: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # Files only: no display needed.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  mus = sorted({entry["mu"] for entry in study.values()})
+  panels = [("reward", "rollout reward"), ("eval", "greedy eval, %"),
+            ("grad_norm", "grad norm (pre-clip)"), ("log_ratio_var", "var log rho"),
+            ("ess", "SNIS ESS (StableDRL)"), ("kl_start", "KL from the start")]
+  fig, axes = plt.subplots(len(panels), len(mus), figsize=(4.2 * len(mus), 2.3 * len(panels)),
+                           sharex=True, squeeze=False)
+  for key, entry in study.items():
+    col = mus.index(entry["mu"])
+    style = "--" if "independent" in key else (":" if "stress" in key else "-")
+    color = "0.6" if entry["row"] == FROZEN else None
+    for row, (name, label) in enumerate(panels):
+      ax = axes[row, col]
+      if name == "eval":
+        points = sorted((int(s), v) for s, v in entry["eval"].items())
+        line, = ax.plot([s for s, _ in points], [v for _, v in points], style, marker=".",
+                        color=color, label=entry["row"])
+      else:
+        points = [(s, v) for s, v in zip(entry["steps"], entry["curves"][name]) if v is not None]
+        if not points:
+          continue
+        line, = ax.plot([s for s, _ in points], [v for _, v in points], style, color=color,
+                        lw=1, label=entry["row"])
+      if entry["collapse"] is not None and name in ("reward", "eval"):
+        ax.axvline(entry["collapse"]["step"], color=line.get_color(), alpha=0.4, lw=0.8)
+      if name in ("grad_norm", "log_ratio_var"):
+        ax.set_yscale("log")
+      ax.set_ylabel(label, fontsize=8)
+      ax.grid(alpha=0.3)
+    axes[0, col].set_title(f"mu = {entry['mu']}", fontsize=10)
+  for ax in axes[-1]:
+    ax.set_xlabel("RL step")
+  axes[0, -1].legend(fontsize=6, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def markdown_table(study: dict) -> str:
+  lines = ["| run | mu | eval start -> best -> final | collapse | grad norm max | "
+           "var log rho (mean) | ESS min | KL from start (final) | skipped |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  text = lambda x, f="{:.3g}": "-" if x is None or (isinstance(x, float) and math.isnan(x)) \
+      else f.format(x)
+  for key, e in study.items():
+    fell = "no" if e["collapse"] is None else f"step {e['collapse']['step']}: {e['collapse']['why']}"
+    lines.append(f"| {e['row']} | {e['mu']} | {e['eval_start']:.1f} -> {e['eval_best']:.1f} -> "
+                 f"{e['eval_final']:.1f} | {fell} | {text(e['grad_norm_max'])} | "
+                 f"{text(e['log_ratio_var_mean'])} | {text(e['ess_min'])} | "
+                 f"{text(e['kl_final'])} | {e['skipped_steps']} |")
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+
+  base, workdir = _CONFIG.value, _WORKDIR.value
+  known = rows()
+  names = list(_ROWS.value or known)
+  unknown = sorted(set(names) - set(known))
+  if unknown:
+    raise app.UsageError(f"--rows: unknown {unknown}; known: {list(known)}")
+  try:
+    mus = sorted(int(m) for m in _MU.value)
+  except ValueError:
+    raise app.UsageError(f"--mu takes integers, got {_MU.value}") from None
+  if not mus or mus[0] < 1:
+    raise app.UsageError(f"--mu must be >= 1, got {_MU.value}")
+  if not 0 < _STRESS_FRACTION.value <= 1:
+    raise app.UsageError(f"--stress_fraction must lie in (0, 1], got {_STRESS_FRACTION.value}")
+  if base.eval.every_steps <= 0:
+    raise app.UsageError("--config.eval.every_steps must be > 0: the study needs evals")
+  criteria = dict(eval_margin=_EVAL_MARGIN.value, reward_margin=_REWARD_MARGIN.value,
+                  window=_WINDOW.value)
+  began = time.perf_counter()
+  if not _SUMMARIZE_ONLY.value:
+    start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
+  study = {}
+  for name, mu in run_keys(names, mus):
+    key = f"{name}/mu{mu}"
+    run_dir = os.path.join(workdir, name, f"mu{mu}")
+    overrides = {**known[name], "train.num_iterations": mu}
+    if "estimator.stress.fraction" in overrides:
+      overrides["estimator.stress.fraction"] = _STRESS_FRACTION.value
+    if _SUMMARIZE_ONLY.value:
+      try:
+        result = sweep.finished_run(run_dir)
+      except FileNotFoundError:
+        continue
+    else:
+      config = sweep.with_overrides(base, overrides)
+      result = sweep.train_from_start(config, start, run_dir, reuse=True)
+      print(f"{key}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+    study[key] = {"row": name, "mu": mu, **run_summary(result, **criteria)}
+  if not study:
+    raise app.UsageError(f"no finished runs in {workdir}")
+  with open(os.path.join(workdir, "study.json"), "w") as f:
+    json.dump(study, f, indent=1)
+  plot(study, os.path.join(workdir, "study.png"))
+  print("\n" + markdown_table(study))
+  print(f"\nwall time {time.perf_counter() - began:.0f} s; wrote {workdir}/study.json and "
+        "study.png")
+
+
+if __name__ == "__main__":
+  app.run(main)
