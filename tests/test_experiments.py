@@ -381,3 +381,19 @@ def test_ratio_noise_study_writes_table_and_figure_and_resumes_a_cut_run(tmp_pat
   run_script("ratio_noise_study.py", *args)
   assert (run / "marker").exists() and (run / "run_result.json").exists()
   assert json.loads((tmp_path / "study.json").read_text())["stabledrl/mu2"]["steps"] == [1, 2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs libtpu (pip install 'jax[tpu]'; the test extra has it)")
+def test_sampler_memory_compares_each_cache_with_the_exact_sampler(tmp_path):
+  out = tmp_path / "rows.json"
+  done = run_script("sampler_memory.py", "--model=tiny", "--rows=32", "--caches=none,dual",
+                    f"--output={out}")
+  rows = json.loads(out.read_text())
+  assert [r["cache"] for r in rows] == ["none", "dual"]
+  # tiny: 2 layers, 2 kv heads of 16 dimensions; the paper config computes in bf16 (2 bytes).
+  cache = 2 * 2 * 512 * 2 * 16 * 2 * 32 // 4
+  assert rows[1]["kv_cache_bytes"] == cache and rows[0]["kv_cache_bytes"] == 0
+  extra = (rows[1]["bytes_per_chip"] - rows[0]["bytes_per_chip"]) / cache
+  assert rows[1]["extra_in_caches"] == pytest.approx(extra, abs=0.01)
+  assert "| dual |" in done.stdout
