@@ -11,6 +11,9 @@ and d1's ``mean_field``) raises the estimator's noise about 15-fold. SPG and Sta
 twice: with the official ``block_random`` exactly as published (32-token blocks, 15% of the
 prompt masked: their own reference point), and adapted to the toy (one block covering the
 40-token completion, no prompt masking). Every row says which estimator it runs.
+``--official``: every objective variant exactly as published instead (its official estimator,
+prompt masking included), one row each (runs in ``<workdir>/seed<S>/official/``; the paired
+reference is then the published StableDRL).
 
 Finished runs with the same config are read back, not trained again: a cut comparison continues
 where it stopped. Writes ``<workdir>/comparison.json``:
@@ -46,6 +49,8 @@ _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds; each gets
 _ROWS = flags.DEFINE_list("rows", None, "Rows to run (default: all of rows()).")
 _REFERENCE = flags.DEFINE_string("reference", "stabledrl",
                                  "The row every other is paired against.")
+_OFFICIAL = flags.DEFINE_bool("official", False, "Every objective variant exactly as published "
+                              "(official estimators, prompt masking included) instead of rows().")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "Train nothing: summarize the finished runs in --workdir (e.g. "
     "those of an interrupted comparison).")
@@ -79,6 +84,13 @@ def rows(completion_length: int) -> dict[str, tuple[dict, str]]:
     else:
       out[name] = (overrides, "elbo, as published")
   return out
+
+
+def official_rows() -> dict[str, tuple[dict, str]]:
+  """Every objective variant with its official loss and estimator, as published."""
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  return {name: (overrides, "official") for name, overrides in
+          sweep.objective_variants().items()}
 
 
 def paired(diffs: list[float]) -> dict:
@@ -183,7 +195,7 @@ def main(argv) -> None:
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
-  known = rows(base.rollout.gen_length)
+  known = official_rows() if _OFFICIAL.value else rows(base.rollout.gen_length)
   names = list(_ROWS.value or known)
   unknown = sorted(set(names) - set(known))
   if unknown:
@@ -203,7 +215,7 @@ def main(argv) -> None:
     if not _SUMMARIZE_ONLY.value:
       start = sweep.fit_supervised_start(seeded, os.path.join(workdir, f"seed{seed}", "sft"))
     for name in names:
-      run_dir = os.path.join(workdir, f"seed{seed}", name)
+      run_dir = os.path.join(workdir, f"seed{seed}", *["official"] * _OFFICIAL.value, name)
       if _SUMMARIZE_ONLY.value:
         try:
           result = sweep.finished_run(run_dir)

@@ -397,3 +397,18 @@ def test_sampler_memory_compares_each_cache_with_the_exact_sampler(tmp_path):
   extra = (rows[1]["bytes_per_chip"] - rows[0]["bytes_per_chip"]) / cache
   assert rows[1]["extra_in_caches"] == pytest.approx(extra, abs=0.01)
   assert "| dual |" in done.stdout
+
+
+def test_compare_objectives_rows_are_like_for_like_or_all_official():
+  compare = _load_experiment("compare_objectives")
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  official = compare.official_rows()
+  assert {name: overrides for name, (overrides, _) in official.items()} == \
+      sweep.objective_variants()
+  rows = compare.rows(40)
+  assert set(rows) == set(official) | {"spg_official", "stabledrl_official"}
+  for name, (overrides, estimator) in rows.items():
+    if name.endswith("_official"):
+      assert overrides == official[name[:-len("_official")]][0] and "as published" in estimator
+    else:  # No row masks prompt tokens.
+      assert overrides.get("estimator.prompt_mask_prob", 0.0) == 0.0, name
