@@ -127,8 +127,10 @@ def row_summary(per_seed: dict, estimator: str, reference: dict | None,
   runs = list(per_seed.values())
   finals = [_final(r) for r in runs if r["eval"]]
   mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
-  common = sorted(s for s in per_seed if reference and s in reference and per_seed[s]["eval"]
-                  and reference[s]["eval"])
+  # Paired at the reference's last evaluated step: a run stopped early (too many skipped
+  # steps) has no eval there and is left out of the pairs, not compared at an earlier step.
+  common = sorted(s for s in per_seed if reference and s in reference and reference[s]["eval"]
+                  and max(reference[s]["eval"]) in per_seed[s]["eval"])
   return {
       "estimator": estimator,
       "eval_start": mean([r["eval"][min(r["eval"])] for r in runs if r["eval"]]),
@@ -138,7 +140,8 @@ def row_summary(per_seed: dict, estimator: str, reference: dict | None,
       "reward_final": mean([mean(r["reward"][-_FINAL_STEPS:]) for r in runs]),
       "step_s": mean([r["step_s"] for r in runs]),
       "paired": {"reference": reference_name, **paired(
-          [_final(per_seed[s]) - _final(reference[s]) for s in common])},
+          [per_seed[s]["eval"][max(reference[s]["eval"])] - _final(reference[s])
+           for s in common])},
       "seeds": per_seed,
   }
 
@@ -169,8 +172,9 @@ def plot(comparison: dict, path: str) -> None:
 
 
 def markdown_table(comparison: dict) -> str:
+  reference = next(iter(comparison.values()))["paired"]["reference"]
   lines = ["| row | estimator | seeds | eval start | eval final (mean +- sd) | "
-           "final minus StableDRL's, same seed (95% CI) | final reward | s / step |",
+           f"final minus {reference}'s, same seed (95% CI) | final reward | s / step |",
            "|---|---|---|---|---|---|---|---|"]
   for name, e in comparison.items():
     p = e["paired"]

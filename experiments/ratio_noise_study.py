@@ -28,6 +28,9 @@ KL from the start (``kl_start/mean``) and skipped (non-finite) steps, and marks 
 - the rollout reward's ``--window``-step mean below its first window's after having risen above
   it by ``--reward_margin``.
 
+A run whose greedy eval ends more than ``--eval_margin`` points below its start without having
+risen is marked ``degraded`` instead (it never learned; it did not collapse).
+
 Finished runs with the same config are read back, and a cut run resumes from its checkpoint, so
 the study can be continued in several sittings. Writes ``<workdir>/study.json``, draws
 ``<workdir>/study.png`` and prints the table in Markdown.
@@ -97,9 +100,8 @@ def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
   """The first sign of collapse in a run's history (see the module docstring), or None."""
   from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
   steps = [h for h in history if REWARD_METRIC in h]
-  skipped = 0
   for h in steps:
-    if int(h.get("skipped_steps", 0)) > skipped:
+    if int(h.get("skipped_steps", 0)) > 0:
       return {"step": h["step"], "why": "a non-finite update was skipped"}
   evals = sorted((h["step"], metric(h, "eval/accuracy")) for h in history
                  if "eval/accuracy" in h)
@@ -143,6 +145,7 @@ def run_summary(result, **criteria) -> dict:
       "kl_final": kl[-1] if kl else None,
       "skipped_steps": int(result.history[-1].get("skipped_steps", 0)) if result.history else 0,
       "collapse": collapse(result.history, **criteria),
+      "degraded": bool(evals) and evals[max(evals)] <= evals[min(evals)] - criteria["eval_margin"],
       "wall_s": result.wall_s, "stopped": result.stopped,
   }
 
@@ -191,12 +194,13 @@ def plot(study: dict, path: str) -> None:
 
 def markdown_table(study: dict) -> str:
   lines = ["| run | mu | eval start -> best -> final | collapse | grad norm max | "
-           "var log rho (mean) | ESS min | KL from start (final) | skipped |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "var log rho (mean, the objective's own units) | ESS min | KL from start, nats per "
+           "sequence (final) | skipped |", "|---|---|---|---|---|---|---|---|---|"]
   text = lambda x, f="{:.3g}": "-" if x is None or (isinstance(x, float) and math.isnan(x)) \
       else f.format(x)
   for key, e in study.items():
-    fell = "no" if e["collapse"] is None else f"step {e['collapse']['step']}: {e['collapse']['why']}"
+    fell = ("degraded" if e["degraded"] else "no") if e["collapse"] is None else (
+        f"step {e['collapse']['step']}: {e['collapse']['why']}")
     lines.append(f"| {e['row']} | {e['mu']} | {e['eval_start']:.1f} -> {e['eval_best']:.1f} -> "
                  f"{e['eval_final']:.1f} | {fell} | {text(e['grad_norm_max'])} | "
                  f"{text(e['log_ratio_var_mean'])} | {text(e['ess_min'])} | "

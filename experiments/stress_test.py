@@ -5,10 +5,12 @@ r"""Stress test (docs/stress_test.md): does each objective survive exploding imp
 Fits the supervised start once (``<workdir>/sft``), then trains every objective from it with the
 same seed and data, once normally and once with ``--fraction`` of the samples given "easy"
 numerator and "hard" denominator masks (``estimator.stress``). Each runs with its official mask
-coupling (``estimator.coupled_ratio`` unset: StableDRL, SPG, ESPO and GRPO score l_old on masks
-of their own); with ``--coupled`` (default) each pair runs again with the ratio coupled
-(``normal_coupled``, ``stress_coupled``: l_old on the update's own masks, which removes the
-estimator's ratio noise). A frozen policy (``frozen/normal``: StableDRL at learning rate 1e-12)
+coupling (``estimator.coupled_ratio`` unset: StableDRL scores l_old on masks of its own, GRPO
+and ESPO on each update's own); with ``--other_coupling`` (default) each objective that has a
+ratio runs again with the other one (StableDRL ``normal_coupled``, ``stress_coupled``: l_old on
+the update's own masks, which removes the estimator's ratio noise; GRPO and ESPO
+``normal_independent``, ``stress_independent``: l_old on masks of its own, which adds it). SPG
+and wd1 have no ratio, so no l_old to couple. A frozen policy (``frozen/normal``: StableDRL at learning rate 1e-12)
 on the same batches is the control: its reward moves with the batches alone. Any config field
 can be overridden as usual (``--config.model.family=sdar``, ``--config.train.num_steps=20``).
 Runs already finished in ``--workdir`` with the same config are read back, not trained again.
@@ -19,7 +21,7 @@ Writes ``<workdir>/summary.json``:
                                "final_reward", "reward_sd", "eval_start", "eval_final",
                                "max_log10_ratio", ...}}
 
-with condition ``normal``, ``stress``, ``normal_coupled`` or ``stress_coupled``:
+with condition ``normal`` or ``stress``, each optionally ``_coupled`` or ``_independent``:
 
 - ``grad_norm``: the pre-clip global gradient norm of each step (the mean over its inner
   iterations; a non-finite norm counts as exploded and is left out of mean and max);
@@ -66,21 +68,34 @@ _FINAL_STEPS = flags.DEFINE_integer("final_steps", 5,
                                     "final_reward averages the last this many steps.")
 _OBJECTIVES = flags.DEFINE_list("objectives", None,
                                 "Objectives to run (default: all of sweep.objective_variants()).")
-_COUPLED = flags.DEFINE_bool("coupled", True, "Also run each objective with the ratio coupled "
-                             "(estimator.coupled_ratio=True), normally and stressed.")
+_OTHER_COUPLING = flags.DEFINE_bool(
+    "other_coupling", True, "Also run each objective that has a ratio with the other mask "
+    "coupling than its official one (estimator.coupled_ratio), normally and stressed.")
 _FROZEN = flags.DEFINE_bool("frozen", True, "Also run the frozen-policy control.")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "Train nothing: summarize the runs already in --workdir (e.g. "
     "with another --explosion_factor or --final_steps).")
 
 OFFICIAL = ("normal", "stress")
-COUPLED = ("normal_coupled", "stress_coupled")
 FROZEN = "frozen/normal"
 FROZEN_LEARNING_RATE = 1e-12
 
 
-def conditions(coupled: bool) -> tuple[str, ...]:
-  return OFFICIAL + (COUPLED if coupled else ())
+def other_coupling(base, name: str) -> str | None:
+  """'coupled' or 'independent': the mask coupling that objective variant ``name`` does not use
+  officially; None for an objective without l_old (SPG, wd1: no ratio)."""
+  from stabledrl_jax import losses  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import specs, sweep  # pylint: disable=g-import-not-at-top
+  config = sweep.with_overrides(base, sweep.objective_variants()[name])
+  if "old_logp" not in losses.get_objective(config.objective.name).requires:
+    return None
+  return "independent" if specs.estimator_settings(config)["coupled_ratio"] else "coupled"
+
+
+def conditions(base, name: str, other: bool) -> tuple[str, ...]:
+  """The conditions of one objective variant: official, then the other coupling's."""
+  suffix = other_coupling(base, name) if other else None
+  return OFFICIAL + ((f"normal_{suffix}", f"stress_{suffix}") if suffix else ())
 
 
 def run_overrides(name: str, condition: str, fraction: float) -> dict:
@@ -90,6 +105,8 @@ def run_overrides(name: str, condition: str, fraction: float) -> dict:
   overrides["estimator.stress.fraction"] = fraction if condition.startswith("stress") else 0.0
   if condition.endswith("_coupled"):
     overrides["estimator.coupled_ratio"] = True
+  elif condition.endswith("_independent"):
+    overrides["estimator.coupled_ratio"] = False
   if overrides["objective.name"] == "stabledrl":  # Its variants too.
     overrides["train.gradient_bound"] = True
   return overrides
@@ -142,7 +159,10 @@ def plot(results: dict, names: list[str], path: str) -> None:
   fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.4), sharex=True,
                            squeeze=False)
   for col, name in enumerate(names):
-    for condition, style in zip(OFFICIAL + COUPLED, ("-", "--", ":", "-.")):
+    for condition in OFFICIAL + tuple(f"{c}_{s}" for s in ("coupled", "independent")
+                                      for c in OFFICIAL):
+      style = {"normal": "-", "stress": "--"}[condition.split("_")[0]]
+      style = style if "_" not in condition else {"-": ":", "--": "-."}[style]
       result = results.get(f"{name}/{condition}")
       if result is None:
         continue
@@ -219,7 +239,8 @@ def main(argv) -> None:
     raise app.UsageError(f"--fraction must lie in (0, 1], got {_FRACTION.value}")
   began = time.perf_counter()
   keys = ([FROZEN] if _FROZEN.value else []) + [
-      f"{name}/{condition}" for name in names for condition in conditions(_COUPLED.value)]
+      f"{name}/{condition}" for name in names
+      for condition in conditions(base, name, _OTHER_COUPLING.value)]
   if _SUMMARIZE_ONLY.value:
     results = {}
     for key in keys:
@@ -236,8 +257,8 @@ def main(argv) -> None:
       continue
     name, condition = key.split("/")
     # The threshold of a run: its objective's normal run under the same coupling.
-    reference = results.get(f"{name}/normal_coupled" if condition.endswith("_coupled")
-                            else f"{name}/normal", results[key])
+    suffix = condition.partition("_")[2]
+    reference = results.get(f"{name}/normal" + (f"_{suffix}" if suffix else ""), results[key])
     normal = [sweep.metric(h, "grad_norm") for h in reference.history if "grad_norm" in h]
     finite = [n for n in normal if math.isfinite(n)]
     threshold = _EXPLOSION_FACTOR.value * (statistics.median(finite) if finite else 0.0)

@@ -314,10 +314,22 @@ def test_quickstart_gains_ten_points_for_seed_0(tmp_path):
 
 @functools.cache
 def _load_experiment(name):
+  """An experiment script as a module. Each defines absl flags (--config, --workdir, ...) in
+  the global registry: the previous script's are dropped first (its functions used here read
+  no flags)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  for flag in _EXPERIMENT_FLAGS:
+    if flag in flags.FLAGS:
+      delattr(flags.FLAGS, flag)
+  before = set(flags.FLAGS)
   spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  _EXPERIMENT_FLAGS[:] = sorted(set(flags.FLAGS) - before)
   return module
+
+
+_EXPERIMENT_FLAGS: list[str] = []
 
 
 def test_ratio_noise_study_marks_collapse_by_its_three_rules():
@@ -412,3 +424,29 @@ def test_compare_objectives_rows_are_like_for_like_or_all_official():
       assert overrides == official[name[:-len("_official")]][0] and "as published" in estimator
     else:  # No row masks prompt tokens.
       assert overrides.get("estimator.prompt_mask_prob", 0.0) == 0.0, name
+
+
+def test_a_sweep_run_cut_by_a_signal_is_not_recorded_as_finished(tmp_path, monkeypatch):
+  """The trainer returns normally after a signal saves the run; the sweep must not take the
+  cut run for a finished one: no run_result.json, a one-line exit naming the run, and the same
+  call later resumes it."""
+  from stabledrl_jax.training import config_lib, sweep, trainer  # pylint: disable=g-import-not-at-top
+  config = config_lib.get("quickstart")
+  config.train.num_steps = 2
+  start = tmp_path / "start"
+  start.mkdir()
+  runs = []
+
+  def fake_train(config, workdir):  # Step 1 of 2 logged, then "a signal".
+    runs.append(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps({"step": len(runs)}) + "\n")
+
+  monkeypatch.setattr(trainer, "train", fake_train)
+  with pytest.raises(SystemExit, match="step 1 of 2"):
+    sweep.train_from_start(config, str(start), str(tmp_path / "run"), reuse=True)
+  assert not (tmp_path / "run" / "run_result.json").exists()
+  done = sweep.train_from_start(config, str(start), str(tmp_path / "run"), reuse=True)
+  assert [h["step"] for h in done.history] == [1, 2]  # resumed in place, not started anew
+  assert sweep.train_from_start(config, str(start), str(tmp_path / "run"), reuse=True).history \
+      == done.history and len(runs) == 2  # finished: read back

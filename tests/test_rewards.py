@@ -580,6 +580,7 @@ def test_official_countdown_reward_follows_the_official_rules():
   assert reward("<answer>25 // 4 * 3 + 45</answer>", (25, 4, 3, 45)) == 1.0  # and //
   assert reward("<answer>25 ** 4 ** 3 ** 25</answer>", (25, 4, 3, 25)) == 0.1  # bounded
   assert reward("<answer>" + "9" * 5000 + "</answer>") == 0.1  # past Python's int() limit
+  assert reward("<answer>" + "-" * 1200 + "(25 - 4) * 3</answer>") == 1.0  # as deep as eval
 
 
 @settings(max_examples=400, deadline=None)

@@ -222,8 +222,14 @@ def _python_value(node: ast.AST):
   if isinstance(node, ast.Constant) and type(node.value) in (int, float):
     return node.value
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-    value = _python_value(node.operand)
-    return +value if isinstance(node.op, ast.UAdd) else -value
+    signs = []  # A chain of signs, folded in a loop: as deep as Python's parser allows.
+    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+      signs.append(node.op)
+      node = node.operand
+    value = _python_value(node)
+    for op in reversed(signs):
+      value = +value if isinstance(op, ast.UAdd) else -value
+    return value
   if isinstance(node, ast.BinOp):
     left, right = _python_value(node.left), _python_value(node.right)
     if isinstance(node.op, ast.Pow):

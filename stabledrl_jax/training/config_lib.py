@@ -156,7 +156,7 @@ def base_config() -> ml_collections.ConfigDict:
   # spike_min_history steps), or that skipped an update as non-finite, leaves its rollouts,
   # rewards, advantages, per-sample log ratios and weights in <workdir>/spikes/step_<n>.npz
   # (spike_factor 0: non-finite steps only). kl_to_start: log kl_start/mean, the policy's KL
-  # divergence from the start of RL on its own rollouts (one more scoring pass a step).
+  # divergence from the start of RL on its own rollouts (two more scoring passes a step).
   c.diagnostics = ml_collections.ConfigDict(dict(spike_factor=10.0, spike_window=20,
                                                  spike_min_history=5, kl_to_start=False))
   # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since

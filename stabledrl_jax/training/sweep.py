@@ -99,7 +99,9 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   that this function finished in ``workdir`` with the same config is read back, not trained
   again, and one it began with the same config but did not finish resumes from its latest
   checkpoint (a long sweep continues where it was cut); any other content is replaced. A
-  resumed run's ``wall_s`` counts this sitting only.
+  resumed run's ``wall_s`` counts this sitting only. A run that a signal (SIGTERM, Ctrl-C)
+  stops before its last step is saved but not recorded as finished, and the sweep stops
+  (SystemExit naming the run): the same command resumes it.
   """
   identity = config.to_json_best_effort(sort_keys=True)
   begun = os.path.join(workdir, _BEGUN_FILE)
@@ -127,6 +129,10 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   except trainer.TooManySkipsError as err:
     stopped = str(err)
   history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  done = max((h["step"] for h in history), default=0)
+  if not stopped and done < config.train.num_steps:  # A signal: saved, to be resumed.
+    raise SystemExit(f"{workdir}: stopped by a signal at step {done} of "
+                     f"{config.train.num_steps} (saved); rerun the same command to resume it")
   wall_s = time.perf_counter() - began
   with open(os.path.join(workdir, _RESULT_FILE), "w") as f:
     json.dump({"wall_s": wall_s, "stopped": stopped, "config": identity}, f)

@@ -240,12 +240,14 @@ def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
 
 
 def _load_pretrained(path: epath.Path, mesh, config: ml_collections.ConfigDict) -> nnx.Module:
-  """``models.from_pretrained`` of a local or remote (copied to a local directory) checkpoint."""
+  """``models.from_pretrained`` of a local or remote (copied to a local directory) checkpoint,
+  with the run's dtypes and model options (remat, scan_layers, attention), as ``build_model``."""
+  options = dict(_dtypes(config), remat=config.model.remat, **specs.run_options(config))
   if checkpointing.is_local(path):
-    return models.from_pretrained(str(path), mesh=mesh, **_dtypes(config))
+    return models.from_pretrained(str(path), mesh=mesh, **options)
   with tempfile.TemporaryDirectory() as local:
     _copy_files(path, epath.Path(local))
-    return models.from_pretrained(local, mesh=mesh, **_dtypes(config))
+    return models.from_pretrained(local, mesh=mesh, **options)
 
 
 def _copy_files(source: epath.Path, target: epath.Path) -> None:
@@ -421,6 +423,14 @@ class Trainer:
             num_microbatches=specs.num_microbatches(config), stress_mode=stress_mode,
             microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
         static_argnames="stress_mode")
+    # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
+    self.estimate_sequence = None if self.start_params is None else jax.jit(
+        train_step.traced_under(self.mesh, lambda params, batch, key: train_step.estimate_no_grad(
+            params, batch, key, graphdef=self.graphdef,
+            spec=dataclasses.replace(self.spec, normalize="sum"),
+            group_size=config.rollout.group_size,
+            num_microbatches=specs.num_microbatches(config),
+            microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))))
     self.writer = (metrics_writer.MetricsWriter(
         self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
         config=json.loads(config.to_json_best_effort())) if self.primary else None)
@@ -717,11 +727,12 @@ class Trainer:
 
   def _kl_to_start(self, batch: rl_loss.RolloutBatch, key: jax.Array, old) -> jax.Array:
     """mean(l_old - l_start) over the batch's rollouts, both scored on the same masks (their
-    noise largely cancels): an estimate of KL(pi_old || pi_start), since the rollouts are
-    pi_old's own samples. Token-level estimates are summed over each completion."""
-    del old  # The stress test scores l_old on other masks; both are scored here on one.
-    now = self.estimate_no_grad(self.state.params, batch, key)
-    start = self.estimate_no_grad(self.start_params, batch, key)
+    noise largely cancels) as sequence log-likelihoods (``normalize='sum'``, whatever the
+    objective's): an estimate of KL(pi_old || pi_start) in nats per sequence, since the rollouts
+    are pi_old's own samples. Token-level estimates are summed over each completion."""
+    del old  # Scored with the objective's normalization (and the stress test's masks).
+    now = self.estimate_sequence(self.state.params, batch, key)
+    start = self.estimate_sequence(self.start_params, batch, key)
     return _mean_sequence_gap(now, start, batch.completion_mask)
 
   def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
