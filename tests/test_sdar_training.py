@@ -229,6 +229,7 @@ def test_sdar_stress_test_makes_the_log_ratio_explode(tmp_path, sdar_start):
     config.data.update(train_size=64, eval_size=8)
     config.rollout.update(num_prompts=2, group_size=5)
     config.train.update(num_steps=1, num_iterations=1)
+    config.eval.every_steps = 0
     config.objective.name = "grpo"
     config.objective.grpo.level = "sequence"
     config.estimator.update(coupled_ratio=True)
