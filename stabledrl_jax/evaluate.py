@@ -441,15 +441,15 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if with_instruction is None:
     with_instruction = (source.config.task.with_instruction if source.config is not None
                         else True)
-  prefix = options.assistant_prefix
-  if prefix is None:
-    prefix = D1_ASSISTANT_PREFIX if hasattr(tokenizer, "chat_prompt") else ""
   template = options.prompt_style
   if template is None:
     template = (source.config.task.get("prompt_style", tasks.DEFAULT_PROMPT_STYLE)
                 if source.config is not None else tasks.DEFAULT_PROMPT_STYLE)
   if template not in tasks.PROMPT_STYLES:
     raise ValueError(f"--prompt_style {template!r} is not one of {tasks.PROMPT_STYLES}")
+  prefix = options.assistant_prefix
+  if prefix is None:
+    prefix = default_assistant_prefix(tokenizer, template)
   style = PromptStyle(with_instruction, prefix, options.prompt_length, template)
   if multihost.is_primary():
     note = guess_note(source, options, style, sources)
@@ -475,6 +475,14 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
     return None
   output = options.output or os.path.join(options.output_dir, "results.json")
   return scoring.report([options.output_dir], output)
+
+
+def default_assistant_prefix(tokenizer, template: str) -> str:
+  """d1's evaluation starts the assistant's turn with "<reasoning>" (chat tokenizers only); the
+  official StableDRL prompts end with the chat template's generation prompt alone."""
+  if template != "d1" or not hasattr(tokenizer, "chat_prompt"):
+    return ""
+  return D1_ASSISTANT_PREFIX
 
 
 def guess_note(source: checkpoint_source.CheckpointSource, options: Options,
@@ -554,7 +562,8 @@ def define_flags() -> None:
                     "in the d1 layout) or stabledrl (the official StableDRL templates); default: "
                     "the checkpoint's training config's, else d1.")
   flags.DEFINE_string("assistant_prefix", None, "Start of the assistant's turn for chat "
-                      f"tokenizers (default: {D1_ASSISTANT_PREFIX!r}, as d1's evaluation).")
+                      f"tokenizers (default: {D1_ASSISTANT_PREFIX!r} with the d1 prompt style, "
+                      "as d1's evaluation; none with the stabledrl one, as its training).")
   flags.DEFINE_string("output", defaults.output, "Results JSON (default: OUTPUT_DIR/results.json).")
   flags.DEFINE_boolean("distributed", False,
                        "Call jax.distributed.initialize() even where no cluster is detected "

@@ -674,8 +674,9 @@ def _attention_savings(rows: list[dict[str, Any]]) -> list[str]:
     return []
   lines = ["", "Attention kernel: the same programs with `--config.model.attention=xla` (softmax "
            "attention over materialized [B, H, L, L] scores) against the default (`auto`: "
-           "splash attention on TPU):", "",
-           "| config | slice | what | settings | GiB per chip, splash | GiB per chip, xla | "
+           "splash attention with the tpu compiler, the same xla attention with the cpu one; "
+           "a row that ran out of memory gives the bytes the compiler asked for):", "",
+           "| config | slice | what | settings | GiB per chip, default | GiB per chip, xla | "
            "saved GiB |", "|---|---|---|---|---:|---:|---:|"]
   for auto, xla in pairs:
     config = auto["config"] + "".join(f" `{o}`" for o in auto.get("overrides", []))

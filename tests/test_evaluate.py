@@ -1,6 +1,7 @@
 """The evaluation harness: d1 generation files from a checkpoint, resumable, sharded, checked."""
 
 import json
+import types
 import os
 import pathlib
 import shutil
@@ -497,3 +498,12 @@ def test_a_kv_cached_evaluation_records_its_cache(tmp_path, hf_checkpoint, data_
     twin = tmp_path / "dual" / path.name
     assert json.loads(path.read_text())["generations"] == json.loads(twin.read_text())[
         "generations"]
+
+
+def test_the_assistant_prefix_follows_the_prompt_style():
+  """d1's evaluation starts the answer with <reasoning>; the official StableDRL prompts do not
+  (their training used the chat template's generation prompt alone)."""
+  chat = types.SimpleNamespace(chat_prompt=lambda text, assistant_prefix="": text)
+  assert evaluate.default_assistant_prefix(chat, "d1") == evaluate.D1_ASSISTANT_PREFIX
+  assert evaluate.default_assistant_prefix(chat, "stabledrl") == ""
+  assert evaluate.default_assistant_prefix(object(), "d1") == ""  # no chat template

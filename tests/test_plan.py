@@ -292,4 +292,14 @@ def test_render_shows_what_the_attention_kernel_saves():
                                        what="evaluate")]))
   assert "Attention kernel" in table
   assert "| llada8b_gsm8k | v5p-8 | sampler | `rollout.cache=none` | 20 | 31 | 11 |" in table
+  assert "GiB per chip, default |" in table
   assert plan.markdown(dict(rows=[row([], 20 * 2**30)])).count("Attention kernel") == 0
+
+
+def test_the_pods_doc_table_is_the_plan_file_rendered():
+  """docs/pods.md's table is docs/pods_plan.json rendered by the command, not typed by hand:
+  after a sweep, rerun `python -m stabledrl_jax.plan --render --output docs/pods_plan.json
+  --markdown -` and paste its output."""
+  docs = REPO / "docs"
+  rendered = plan.markdown(plan._load(str(docs / "pods_plan.json")))
+  assert rendered.strip() in (docs / "pods.md").read_text()
