@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -314,22 +315,34 @@ def test_quickstart_gains_ten_points_for_seed_0(tmp_path):
 
 @functools.cache
 def _load_experiment(name):
-  """An experiment script as a module. Each defines absl flags (--config, --workdir, ...) in
-  the global registry: the previous script's are dropped first (its functions used here read
-  no flags)."""
+  """An experiment script as a module, its absl flags kept out of this process's registry.
+
+  Each script defines flags at import (--config, --workdir, ...), and other modules loaded in
+  this process (the trainer, the planner, another script) may hold the same names: those are
+  set aside while the script loads and put back after, and the script's own are removed (the
+  functions tested here read no flags).
+  """
   from absl import flags  # pylint: disable=g-import-not-at-top
-  for flag in _EXPERIMENT_FLAGS:
-    if flag in flags.FLAGS:
-      delattr(flags.FLAGS, flag)
-  before = set(flags.FLAGS)
-  spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  _EXPERIMENT_FLAGS[:] = sorted(set(flags.FLAGS) - before)
+  aside = {}
+  while True:
+    before = set(flags.FLAGS)
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+      spec.loader.exec_module(module)
+    except flags.DuplicateFlagError as error:
+      for added in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, added)
+      clash = re.search(r"flag '([^']+)'", str(error)).group(1)
+      aside[clash] = flags.FLAGS[clash]
+      delattr(flags.FLAGS, clash)
+      continue
+    break
+  for added in set(flags.FLAGS) - before:
+    delattr(flags.FLAGS, added)
+  for clash, flag in aside.items():
+    flags.FLAGS[clash] = flag
   return module
-
-
-_EXPERIMENT_FLAGS: list[str] = []
 
 
 def test_ratio_noise_study_marks_collapse_by_its_three_rules():
