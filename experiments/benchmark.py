@@ -156,7 +156,7 @@ def forward_case(name: str, model: nnx.Module, w: Workload) -> Case:
 def train_core_case(name: str, model: nnx.Module, w: Workload) -> Case:
   c = rl_config(w)
   spec = specs.likelihood_spec(c, model.config)
-  hparams = specs.objective_hparams(c)
+  hparams = specs.objective_params(c)
   graphdef, params = nnx.split(model, nnx.Param)
   batch = rollout_batch(model.config, w)
   key = jax.random.key(0)
@@ -164,7 +164,8 @@ def train_core_case(name: str, model: nnx.Module, w: Workload) -> Case:
   def loss_fn(params, batch, key):
     logits_fn = rl_loss.model_logits_fn(nnx.merge(graphdef, params), batch.attention_mask)
     return rl_loss.objective_loss(logits_fn, batch, key, spec=spec, objective=c.objective.name,
-                                  hparams=hparams, group_size=w.group_size, use_reference=False)
+                                  hparams=hparams, group_size=w.group_size,
+                                  gen_length=w.gen_length, use_reference=False)
 
   compiled, memory = _compiled(jax.jit(jax.value_and_grad(loss_fn, has_aux=True)), params, batch,
                                key)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stabledrl_jax import estimators, losses
+from stabledrl_jax import estimators, objectives
 
 VOCAB, DIM, PROMPT_LEN, GEN_LEN = 12, 16, 4, 24
 MASK_ID = VOCAB - 1
@@ -62,7 +62,7 @@ def make_batch(key):
   prompt_mask = jnp.zeros(tokens.shape, bool).at[:, :PROMPT_LEN].set(True)
   completion_mask = ~prompt_mask
   rewards = jax.random.bernoulli(k_rew, 0.5, (n,)).astype(jnp.float32)
-  return tokens, prompt_mask, completion_mask, losses.group_advantages(rewards, GROUP)
+  return tokens, prompt_mask, completion_mask, objectives.group_advantages(rewards, GROUP)
 
 
 def make_step(condition: str):
@@ -96,10 +96,12 @@ def make_step(condition: str):
       new_sum = estimators.combine(new.token_logp, num_masks, "sum")
       new_mean = estimators.combine(new.token_logp, num_masks, "mean")
       if name == "grpo (sequence)":
-        return losses.grpo_loss(new_sum, old_sum, adv)[0]
+        # PPO's usual symmetric clip of 0.2 (d1's is 0.5: objectives/grpo.py).
+        return objectives.grpo.grpo_loss(new_sum, old_sum, adv, epsilon_low=0.2,
+                                         epsilon_high=0.2)[0]
       if name == "espo":
-        return losses.espo_loss(new_sum, old_sum, adv, GEN_LEN)[0]
-      return losses.stabledrl_loss(new_mean, new_mean - old_mean, adv, GROUP)[0]
+        return objectives.espo.espo_loss(new_sum, old_sum, adv, GEN_LEN)[0]
+      return objectives.stabledrl.stabledrl_loss(new_mean, new_mean - old_mean, adv, GROUP)[0]
 
     out = {}
     for name in ["grpo (sequence)", "espo", "stabledrl"]:

@@ -84,10 +84,10 @@ FROZEN_LEARNING_RATE = 1e-12
 def other_coupling(base, name: str) -> str | None:
   """'coupled' or 'independent': the mask coupling that objective variant ``name`` does not use
   officially; None for an objective without l_old (SPG, wd1: no ratio)."""
-  from stabledrl_jax import losses  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import objectives  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import specs, sweep  # pylint: disable=g-import-not-at-top
   config = sweep.with_overrides(base, sweep.objective_variants()[name])
-  if "old_logp" not in losses.get_objective(config.objective.name).requires:
+  if "old_logp" not in objectives.get_objective(config.objective.name).requires:
     return None
   return "independent" if specs.estimator_settings(config)["coupled_ratio"] else "coupled"
 

@@ -187,7 +187,7 @@ def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[st
   """
   from stabledrl_jax.models.llada import flops  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax import losses  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import objectives  # pylint: disable=g-import-not-at-top
 
   model_cfg = specs.model_config(config)
   shapes = _flops_shapes(model_cfg)
@@ -232,7 +232,7 @@ def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[st
         rollout += full + (per_block - 1) * cached
     forward = k * flops.forward_flops(shapes, rows, length, span=gen)
     train = k * flops.train_flops(shapes, rows, length, span=gen)
-  objective = losses.get_objective(config.objective.name)
+  objective = objectives.get_objective(config.objective.name)
   sets = mu if settings.get("coupled_ratio") else 1
   passes = sets * (int("old_logp" in objective.requires) + int(specs.uses_reference(config)))
   out = dict(rollout=float(rollout), scoring=float(passes * forward), updates=float(mu * train))

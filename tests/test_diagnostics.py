@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stabledrl_jax import estimators, losses
+from stabledrl_jax import estimators, objectives
+from stabledrl_jax.objectives import stabledrl as sdrl
 from stabledrl_jax.training import checkpointing, config_lib, spikes, sweep, trainer
 
 from test_training import REPO, sft_start, tiny_config, workdir_with_start  # noqa: F401
@@ -40,7 +41,7 @@ def test_the_controller_holds_the_clipped_fraction_in_its_band_on_a_stream_of_ra
     sigma = 2.0 if step < 150 else 0.6
     log_ratio = rng.normal(0.0, sigma, 4096)
     fraction = float(np.mean(log_ratio > log_hi))
-    log_hi = float(losses.adapt_log_clip(log_hi, fraction, band=BAND, step=0.1))
+    log_hi = float(sdrl.adapt_log_clip(log_hi, fraction, band=BAND, step=0.1))
     assert math.isfinite(log_hi)
     if 100 <= step < 150 or step >= 250:  # After time to converge.
       held.append(_tail(log_hi, sigma))
@@ -51,12 +52,12 @@ def test_the_controller_holds_the_clipped_fraction_in_its_band_on_a_stream_of_ra
 def test_a_fixed_stream_gives_a_fixed_bound():
   log_hi = math.log(5.0)
   for _ in range(50):
-    log_hi = losses.adapt_log_clip(log_hi, 0.05, band=BAND)
+    log_hi = sdrl.adapt_log_clip(log_hi, 0.05, band=BAND)
   assert float(log_hi) == pytest.approx(math.log(5.0))
   # Always above the band: the bound rises by one step a call, to its cap, and stays finite.
   bounds = [math.log(5.0)]
   for _ in range(100):
-    bounds.append(float(losses.adapt_log_clip(bounds[-1], 0.9, step=0.1)))
+    bounds.append(float(sdrl.adapt_log_clip(bounds[-1], 0.9, step=0.1)))
   np.testing.assert_allclose(np.diff(bounds[:40]), 0.1, atol=1e-5)
   assert bounds[-1] == pytest.approx(6.9)
 
@@ -68,7 +69,7 @@ def test_a_fixed_stream_gives_a_fixed_bound():
 def test_the_bound_stays_finite_and_moves_by_at_most_one_step(fractions, step):
   log_hi = math.log(5.0)
   for fraction in fractions:
-    new = float(losses.adapt_log_clip(log_hi, fraction, step=step))
+    new = float(sdrl.adapt_log_clip(log_hi, fraction, step=step))
     assert math.isfinite(new) and 0.05 - 1e-6 <= new <= 6.9 + 1e-6
     assert abs(new - log_hi) <= step + 1e-6
     if not math.isfinite(fraction):
@@ -82,7 +83,7 @@ def test_a_traced_bound_clips_like_the_same_fixed_bound():
   log_ratio = rng.normal(0, 3, 16).astype(np.float32)
   logp, adv = rng.normal(size=16).astype(np.float32), rng.normal(size=16).astype(np.float32)
   log_hi = 1.3
-  loss, metrics = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio),
+  loss, metrics = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio),
                                         jnp.asarray(adv), 4, log_max_ratio=jnp.float32(log_hi))
   clipped = np.minimum(log_ratio.astype(np.float64), log_hi).reshape(4, 4)
   weights = np.exp(clipped - clipped.max(1, keepdims=True))
@@ -90,7 +91,7 @@ def test_a_traced_bound_clips_like_the_same_fixed_bound():
   np.testing.assert_allclose(metrics["per_sample/weight"], weights, rtol=1e-5)
   assert float(loss) == pytest.approx(-np.sum(weights * adv * logp) / 4, rel=1e-5)
   assert float(metrics["clip/frac_upper"]) == np.mean(log_ratio > log_hi)
-  fixed, _ = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
+  fixed, _ = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
                                    4, max_ratio=math.exp(log_hi))
   assert float(fixed) == pytest.approx(float(loss), rel=1e-6)
 
@@ -99,7 +100,7 @@ def test_a_traced_bound_clips_like_the_same_fixed_bound():
                                          ("clip_step", 0.0)])
 def test_bad_adaptive_clip_settings_name_the_field(field, value):
   with pytest.raises(ValueError, match=field):
-    losses.get_objective("stabledrl").make_hparams({field: value})
+    objectives.get_objective("stabledrl").make_hparams({field: value})
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def test_one_row_has_no_variance():
 def test_log_ratio_variance_ignores_padding_and_infinities():
   log_ratio = jnp.asarray([1.0, 3.0, jnp.inf, 100.0])
   valid = jnp.asarray([True, True, True, False])
-  metrics = losses.ratio_metrics(log_ratio, jnp.ones(4), valid, log_lo=-1.0, log_hi=1.0)
+  metrics = objectives.base.ratio_metrics(log_ratio, jnp.ones(4), valid, log_lo=-1.0, log_hi=1.0)
   assert float(metrics["log_ratio/var"]) == pytest.approx(1.0)
 
 
@@ -171,7 +172,7 @@ def test_a_run_logs_the_diagnostics_and_an_adaptive_bound_that_follows_its_contr
   for record in history:
     assert record["clip/max_ratio"] == pytest.approx(math.exp(bound), rel=1e-5)
     fraction = record["clip/frac_upper"] + record["clip/frac_lower"]
-    bound = float(losses.adapt_log_clip(bound, fraction, band=(0.3, 0.6)))
+    bound = float(sdrl.adapt_log_clip(bound, fraction, band=(0.3, 0.6)))
   assert len({round(r["clip/max_ratio"], 6) for r in history}) > 1  # It moved.
 
 
@@ -262,9 +263,11 @@ def test_the_recorder_keeps_the_stress_tests_grpo_spikes(tmp_path):
   assert all(path.with_suffix(".png").exists() for path in files)
 
 
-def test_a_checkpoint_from_before_the_adaptive_clip_resumes(tmp_path, sft_start):
-  """A state saved without TrainState.log_clip_hi (earlier versions) restores; the bound starts
-  where a fresh run's does, and training continues."""
+@pytest.mark.parametrize("layout", ["no_bound", "top_level_bound"])
+def test_a_checkpoint_from_before_the_objective_state_resumes(tmp_path, sft_start, layout):
+  """States saved by earlier versions restore: without any bound (before the adaptive clip) the
+  objective state starts where a fresh run's does; with the bound as a top-level
+  ``log_clip_hi`` (before ``TrainState.objective_state``) it carries over. Training continues."""
   workdir = workdir_with_start(tmp_path / "run", sft_start)
   trainer.train(tiny_config(**{"train.num_steps": 2}), str(workdir))
   ckpt = checkpointing.Checkpointer(workdir)
@@ -272,7 +275,10 @@ def test_a_checkpoint_from_before_the_adaptive_clip_resumes(tmp_path, sft_start)
   path = os.path.join(ckpt.directory, "2")
   state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
   meta = ckpt.restore_meta(2)
-  del state["log_clip_hi"]
+  assert float(state["objective_state"]["log_clip_hi"]) == pytest.approx(math.log(5.0))
+  del state["objective_state"]
+  if layout == "top_level_bound":
+    state["log_clip_hi"] = np.float32(math.log(3.0))
   shutil.rmtree(path)
   ckpt.close()
   ckpt = checkpointing.Checkpointer(workdir)
@@ -280,8 +286,40 @@ def test_a_checkpoint_from_before_the_adaptive_clip_resumes(tmp_path, sft_start)
   ckpt.close()
   history = trainer.train(tiny_config(**{"train.num_steps": 3}), str(workdir))
   assert [r["step"] for r in history] == [3]
+  expected = math.log(3.0) if layout == "top_level_bound" else math.log(5.0)
+  assert history[0]["clip/max_ratio"] == pytest.approx(math.exp(expected), rel=1e-5)
   resumed = trainer.Trainer(tiny_config(**{"train.num_steps": 3}), str(workdir))
   try:
-    assert float(resumed.state.log_clip_hi) == pytest.approx(math.log(5.0))
+    assert set(resumed.state.objective_state) == {"log_clip_hi"}
+    assert float(resumed.state.objective_state["log_clip_hi"]) == pytest.approx(expected)
+  finally:
+    resumed.close()
+
+
+def test_a_stateless_objective_resumes_a_checkpoint_with_the_old_top_level_bound(tmp_path,
+                                                                                 sft_start):
+  """Before ``TrainState.objective_state`` every run stored StableDRL's bound; a GRPO run's is
+  read and dropped, and its objective state stays empty."""
+  overrides = {"train.num_steps": 2, "objective.name": "wd1"}
+  workdir = workdir_with_start(tmp_path / "run", sft_start)
+  trainer.train(tiny_config(**overrides), str(workdir))
+  ckpt = checkpointing.Checkpointer(workdir)
+  import orbax.checkpoint as ocp
+  path = os.path.join(ckpt.directory, "2")
+  state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
+  meta = ckpt.restore_meta(2)
+  assert "objective_state" not in state or not state["objective_state"]
+  state.pop("objective_state", None)
+  state["log_clip_hi"] = np.float32(math.log(5.0))
+  shutil.rmtree(path)
+  ckpt.close()
+  ckpt = checkpointing.Checkpointer(workdir)
+  ckpt.save(2, state, meta)
+  ckpt.close()
+  overrides["train.num_steps"] = 3
+  assert [r["step"] for r in trainer.train(tiny_config(**overrides), str(workdir))] == [3]
+  resumed = trainer.Trainer(tiny_config(**overrides), str(workdir))
+  try:
+    assert resumed.state.objective_state == {}
   finally:
     resumed.close()

@@ -18,7 +18,7 @@ import optax
 import pytest
 from safetensors.numpy import save_file
 
-from stabledrl_jax import losses, models, scoring
+from stabledrl_jax import models, objectives, scoring
 from stabledrl_jax.training import checkpointing, metrics_writer, specs, trainer
 
 from test_training import _toy_update, tiny_config
@@ -73,9 +73,9 @@ def test_values_that_poison_or_void_a_run_name_their_field(field, value):
     specs.validate(tiny_config(**{field: value}))
 
 
-@losses.register_objective("nan_test", normalize="mean", estimator=dict(method="elbo"))
-def _nan_objective(inputs, *, group_size):
-  del group_size
+@objectives.register_objective("nan_test", estimator=dict(method="elbo"))
+def _nan_objective(inputs, hparams, group_size):
+  del hparams, group_size
   return jnp.nan * jnp.mean(inputs.logp), {}
 
 

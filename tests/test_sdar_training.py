@@ -142,7 +142,8 @@ def test_every_objective_updates_an_sdar_model(objective, extra):
   state = train_step.create_train_state(params, tx, seed=0)
   update = jax.jit(functools.partial(
       train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective=objective,
-      hparams=specs.objective_hparams(config), group_size=4, num_microbatches=2,
+      hparams=specs.objective_params(config), group_size=4,
+      gen_length=config.rollout.gen_length, num_microbatches=2,
       use_reference=specs.uses_reference(config)))
   new_state, metrics = update(state, batch.replace(old_logp=old, ref_logp=old - 0.1),
                               jax.random.key(2))

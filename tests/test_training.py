@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import estimators, losses, models, sampling
+from stabledrl_jax import estimators, models, objectives, sampling
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss
@@ -29,6 +29,9 @@ from stabledrl_jax.training import sweep, train_step, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+
+# StableDRL scoring its plain ELBO estimate (no EUBO pass), as the toy updates below do.
+_ELBO_STABLEDRL = objectives.stabledrl.StableDRLHparams(surrogate="elbo")
 
 def load_config(name="quickstart"):
   return config_lib.from_file(REPO / "configs" / f"{name}.py")
@@ -218,7 +221,7 @@ def _toy_update(advantages, tx=None):
                                 token_level=False, eubo_beta=None, mask_id=15)
   new_state, metrics = train_step.update_step(
       state, batch, jax.random.key(2), graphdef=graphdef, tx=tx, spec=spec,
-      objective="stabledrl", hparams=(("surrogate", "elbo"),), group_size=2,
+      objective="stabledrl", hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6,
       num_microbatches=2, use_reference=False)
   return state, new_state, metrics
 
@@ -255,7 +258,7 @@ def test_coupled_ratio_is_exactly_one_before_any_update():
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch.replace(old_logp=old), key,
       graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=(("surrogate", "elbo"),), group_size=2, num_microbatches=2, use_reference=False)
+      hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6, num_microbatches=2, use_reference=False)
   assert abs(float(metrics["log_ratio/max"])) < 1e-6
   assert abs(float(metrics["log_ratio/min"])) < 1e-6
   other = train_step.estimate_no_grad(params, batch, jax.random.key(4), graphdef=graphdef,
@@ -289,14 +292,14 @@ def test_gradient_bound_matches_per_sample_gradients(surrogate):
   key = jax.random.key(5)
   vmapped = rl_loss.surrogate_gradient_norms(
       logits_fn_of, params, batch, key, spec=spec,
-      surrogate=lambda inputs: losses.surrogate_logp(inputs, surrogate, 0.5))
+      surrogate=lambda inputs: objectives.spg.surrogate_logp(inputs, surrogate, 0.5))
   masks = rl_loss.estimator_masks(batch, key, spec, stress_mode="easy")
 
   def s(p, j):  # The whole batch scored at once; row j's surrogate.
     logp, eubo = rl_loss.estimate(logits_fn_of(p, batch.attention_mask), batch, None, spec,
                                   masks=masks)
     inputs = rl_loss.objective_inputs(batch, logp, eubo, spec, use_reference=False)
-    return losses.surrogate_logp(inputs, surrogate, 0.5)[j]
+    return objectives.spg.surrogate_logp(inputs, surrogate, 0.5)[j]
 
   grad_s = jax.jit(jax.grad(s))  # j traced: one compilation for every row.
   norms = [float(optax.tree.norm(grad_s(params, jnp.int32(j)))) for j in range(len(batch.tokens))]
@@ -314,7 +317,7 @@ def test_stabledrl_gradient_stays_inside_its_convex_hull_bound(num_microbatches)
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
       graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=(("omega", 0.5), ("surrogate", "elbo")), group_size=2,
+      hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6,
       num_microbatches=num_microbatches, use_reference=False, gradient_bound=True)
   assert float(metrics["grad_norm"]) > 0
   assert float(metrics["grad_norm"]) <= float(metrics["grad_bound/max"]) * (1 + 1e-5)
@@ -331,7 +334,7 @@ def test_zero_advantages_give_a_zero_bound_ratio_not_nan():
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
       graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=(("omega", 0.5), ("surrogate", "elbo")), group_size=2, num_microbatches=1,
+      hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6, num_microbatches=1,
       use_reference=False, gradient_bound=True)
   assert float(metrics["grad_bound/max"]) == 0 and float(metrics["grad_norm"]) == 0
   assert float(metrics["grad_norm_over_bound/max"]) == 0
@@ -491,28 +494,47 @@ class _SignHparams:
       raise ValueError(f"scale: must be > 0, got {self.scale}")
 
 
-def _sign_objective(inputs, *, group_size, scale):
-  """REINFORCE on the sign of the advantage: a toy that no other file knows about."""
+def _sign_objective(inputs, hparams, group_size):
+  """REINFORCE on the sign of the advantage: a toy that no other file knows about. Its state is
+  an average of the positive-sign fraction over RL steps, which it reports."""
   del group_size
   sign = jnp.sign(inputs.advantages)
-  return -scale * jnp.mean(sign * inputs.logp), {"sign/positive": jnp.mean(sign > 0)}
+  return -hparams.scale * jnp.mean(sign * inputs.logp), {
+      "sign/positive": jnp.mean(sign > 0), "sign/average": inputs.state["average"]}
+
+
+def _sign_update(state, metrics, hparams):
+  del hparams
+  return {"average": 0.5 * state["average"] + 0.5 * metrics["sign/positive"]}
 
 
 def test_an_objective_registered_in_a_test_file_trains(tmp_path, sft_start):
-  """Adding an objective is one registration: the config check, the likelihood spec, the update
-  step, the metrics and the sweeps pick it up; its hyperparameters come from its own section."""
-  losses.register_objective("sign_test", hparams=_SignHparams, normalize="mean",
-                            estimator=dict(method="elbo", num_samples=1),
-                            metrics=("sign/positive",))(_sign_objective)
+  """Adding an objective, with state, is one registration: the config check, the likelihood
+  spec, the update step, the state's update and checkpoint, the metrics and the sweeps pick it
+  up; its hyperparameters come from its own section."""
+  objectives.register_objective(
+      "sign_test", hparams=_SignHparams, estimator=dict(method="elbo", num_samples=1),
+      init_state=lambda hparams: {"average": jnp.zeros((), jnp.float32)},
+      update_state=_sign_update, metrics=("sign/positive", "sign/average"))(_sign_objective)
   try:
-    config = sweep.with_overrides(tiny_config(**{"train.num_steps": 1}),
+    config = sweep.with_overrides(tiny_config(**{"train.num_steps": 3}),
                                   {"objective.name": "sign_test"})
     config.objective.sign_test = ml_collections.ConfigDict({"scale": 2.0})
-    assert specs.objective_hparams(config) == (("scale", 2.0),)
+    assert specs.objective_params(config) == _SignHparams(scale=2.0)
     assert specs.estimator_settings(config)["method"] == "elbo"
-    history = trainer.train(config, str(workdir_with_start(tmp_path, sft_start)))
-    assert len(history) == 1 and 0.0 <= history[0]["sign/positive"] <= 1.0
-    assert np.isfinite(history[0]["loss"])
+    workdir = workdir_with_start(tmp_path, sft_start)
+    history = trainer.train(config, str(workdir))
+    assert len(history) == 3 and all(0.0 <= h["sign/positive"] <= 1.0 for h in history)
+    assert np.isfinite(history[0]["loss"]) and history[0]["sign/average"] == 0.0
+    average = 0.0
+    for record in history:  # Each step sees the state the previous steps left.
+      assert record["sign/average"] == pytest.approx(average, abs=1e-6)
+      average = 0.5 * average + 0.5 * record["sign/positive"]
+    resumed = trainer.Trainer(config, str(workdir))  # The state is checkpointed.
+    try:
+      assert float(resumed.state.objective_state["average"]) == pytest.approx(average, abs=1e-6)
+    finally:
+      resumed.close()
     config.objective.sign_test.scale = -1.0
     with pytest.raises(ValueError, match="config.objective.sign_test.scale: must be > 0"):
       specs.validate(config)
@@ -521,24 +543,25 @@ def test_an_objective_registered_in_a_test_file_trains(tmp_path, sft_start):
       specs.validate(config)
     assert "sign_test" in sweep.objective_variants()
   finally:
-    losses.unregister_objective("sign_test")
-  assert "sign_test" not in losses.objective_names()
+    objectives.unregister_objective("sign_test")
+  assert "sign_test" not in objectives.objective_names()
 
 
 def test_every_objective_reports_its_declared_metrics():
   """The metrics a registration declares are among those its loss returns."""
   g, n = 4, 8
   rng = np.random.default_rng(0)
-  inputs = losses.ObjectiveInputs(
+  inputs = objectives.ObjectiveInputs(
       logp=jnp.asarray(rng.normal(size=n), jnp.float32),
       advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
       old_logp=jnp.asarray(rng.normal(size=n), jnp.float32),
       ref_logp=jnp.asarray(rng.normal(size=n), jnp.float32),
       eubo=jnp.asarray(rng.normal(size=n), jnp.float32),
       lengths=jnp.full((n,), 5.0))
-  for objective in losses.objectives():
-    kwargs = dict(objective.loss_kwargs(objective.make_hparams(), {"gen_length": 16}))
-    _, metrics = objective(inputs, group_size=g, **kwargs)
+  for objective in objectives.objectives():
+    hparams = objective.make_hparams()
+    _, metrics = objective(inputs.replace(state=objective.initial_state(hparams), gen_length=16),
+                           hparams, g)
     assert set(objective.metrics) <= set(metrics), objective.name
 
 
@@ -604,7 +627,7 @@ def test_too_many_skips_stop_the_run_and_keep_the_checkpoint(tmp_path, monkeypat
   assert step == 1
   config.train.num_steps = 4
   nan_advantages = lambda rewards, group_size, **kw: jnp.full(rewards.shape, jnp.nan)
-  monkeypatch.setattr(trainer.losses, "group_advantages", nan_advantages)
+  monkeypatch.setattr(trainer.objectives, "group_advantages", nan_advantages)
   with pytest.raises(trainer.TooManySkipsError, match="consecutive"):
     trainer.train(config, str(tmp_path))
   step, after = _final_params(str(tmp_path))
@@ -735,8 +758,9 @@ def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed
   spec = specs.likelihood_spec(config, model.config)
   new_state, metrics = jax.jit(functools.partial(
       train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=specs.objective_hparams(config), group_size=config.rollout.group_size,
-      num_microbatches=1, use_reference=False))(state, batch, jax.random.key(2))
+      hparams=specs.objective_params(config), group_size=config.rollout.group_size,
+      gen_length=config.rollout.gen_length, num_microbatches=1,
+      use_reference=False))(state, batch, jax.random.key(2))
   assert int(metrics["skipped"]) == 0
   changed = sum(int(jnp.sum(a != b)) for a, b in zip(jax.tree.leaves(new_state.params),
                                                     jax.tree.leaves(params)))

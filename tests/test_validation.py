@@ -11,7 +11,7 @@ import sys
 import ml_collections
 import pytest
 
-from stabledrl_jax import losses, tasks, tokenizers
+from stabledrl_jax import objectives, tasks, tokenizers
 from stabledrl_jax.training import config_lib, data, specs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def float_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[st
 
 def objective_float_hparams() -> list[tuple[str, str]]:
   """(objective, field) for every float hyperparameter of every registered objective."""
-  return [(objective.name, field.name) for objective in losses.objectives()
+  return [(objective.name, field.name) for objective in objectives.objectives()
           for field in dataclasses.fields(objective.hparams)
           if isinstance(field.default, float)]
 
@@ -79,7 +79,7 @@ def test_every_float_hyperparameter_of_every_objective_refuses_nan_and_infinity(
   params = objective_float_hparams()
   assert ("grpo", "epsilon_low") in params and ("espo", "beta") in params
   for name, field in params:
-    objective = losses.get_objective(name)
+    objective = objectives.get_objective(name)
     objective.make_hparams({})  # The defaults pass.
     for value in NON_FINITE:
       with pytest.raises(ValueError, match=rf"^{field}: must be a finite number"):
@@ -126,7 +126,7 @@ def test_the_ends_of_a_range_pass(field, value):
 ])
 def test_an_objective_hyperparameter_out_of_range_names_the_field(name, field, value):
   with pytest.raises(ValueError, match=rf"^{field}: must lie in"):
-    losses.get_objective(name).make_hparams({field: value})
+    objectives.get_objective(name).make_hparams({field: value})
   with pytest.raises(ValueError) as error:
     specs.validate(quickstart(**{"objective.name": name, f"objective.{name}.{field}": value}))
   assert_names(error.value, f"objective.{name}.{field}")

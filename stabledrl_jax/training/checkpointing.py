@@ -171,16 +171,22 @@ class Checkpointer:
     return self._manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))["meta"]
 
-  def stored_shapes(self, step: int) -> list[tuple[int, ...]]:
-    """The shapes of the arrays of ``step``'s state item, sorted (from its metadata alone)."""
+  def stored_fields(self, step: int) -> dict[str, list[tuple[int, ...]]]:
+    """{top-level field of ``step``'s state item: the shapes of its arrays, sorted}, from the
+    metadata alone."""
     metadata = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state")
     tree = getattr(metadata, "item_metadata", metadata)
     tree = getattr(tree, "tree", tree)
-    shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(
-        tree, is_leaf=lambda x: hasattr(x, "shape")))
-    if not shapes:
+    is_array = lambda x: hasattr(x, "shape")
+    fields = {name: sorted(tuple(x.shape) for x in jax.tree.leaves(value, is_leaf=is_array))
+              for name, value in (tree.items() if hasattr(tree, "items") else ())}
+    if not any(fields.values()):
       raise ValueError(f"{self.directory / str(step) / 'state'} has no readable array metadata")
-    return shapes
+    return fields
+
+  def stored_shapes(self, step: int) -> list[tuple[int, ...]]:
+    """The shapes of the arrays of ``step``'s state item, sorted (from its metadata alone)."""
+    return sorted(shape for shapes in self.stored_fields(step).values() for shape in shapes)
 
   def set_aside(self, step: int) -> epath.Path:
     """Moves checkpoint ``step`` to ``<workdir>/checkpoints_damaged/<step>`` (process 0; the

@@ -82,7 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
       # that a slice of the rollout batch fits; 0: all at once.
       microbatch_groups=0))
 
-  # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/losses.py),
+  # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/objectives/),
   # defaulting to its official code's (docs/algorithms.md lists them with their sources). The
   # sections below only name the fields so that --config.objective.<name>.<field>=value works;
   # a field left unset (None) keeps the default. An objective registered elsewhere needs no

@@ -33,7 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import estimators, losses
+from stabledrl_jax import estimators, objectives
 from stabledrl_jax.models import family as family_lib
 
 Array = jax.Array
@@ -179,9 +179,9 @@ def _masked_row_mean(x: Array, mask: Array) -> Array:
 
 
 def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array, *,
-                   spec: LikelihoodSpec, objective: str, hparams: tuple[tuple[str, Any], ...],
-                   group_size: int, use_reference: bool,
-                   log_clip_hi: Array | None = None) -> tuple[Array, dict[str, Array]]:
+                   spec: LikelihoodSpec, objective: str, hparams: Any, group_size: int,
+                   gen_length: int, use_reference: bool,
+                   objective_state: Any = None) -> tuple[Array, dict[str, Array]]:
   """The objective's (loss, metrics) on fresh estimates under the current parameters.
 
   In a stress test the numerator l_theta of the stressed samples uses "easy" masks. Besides the
@@ -191,13 +191,15 @@ def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key
   (l_theta - l_old; at token level the mean over the completion's tokens).
 
   Args:
-    log_clip_hi: [] the train state's adaptive clip bound (``TrainState.log_clip_hi``).
+    objective: the registered objective's name; ``hparams`` its hyperparameters.
+    gen_length: the generation length of the rollouts.
+    objective_state: the objective's state (``TrainState.objective_state``).
   """
   details = _details(logits_fn, batch, key, spec, stress_mode="easy")
   logp, eubo = _logp_and_eubo(details, spec)
-  inputs = objective_inputs(batch, logp, eubo, spec, use_reference, log_clip_hi)
-  registered = losses.get_objective(objective)
-  loss, metrics = registered(inputs, group_size=group_size, **dict(hparams))
+  inputs = objective_inputs(batch, logp, eubo, spec, use_reference, objective_state, gen_length)
+  registered = objectives.get_objective(objective)
+  loss, metrics = registered(inputs, hparams, group_size)
   metrics = {**metrics, "loss": loss}  # Every objective's loss is logged as `loss`.
   scored = jnp.any(batch.completion_mask, axis=-1)
   if not spec.token_level and details.row_values is not None and details.masks.num_rows >= 2:
@@ -214,10 +216,11 @@ def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key
 
 
 def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec: LikelihoodSpec,
-                     use_reference: bool,
-                     log_clip_hi: Array | None = None) -> losses.ObjectiveInputs:
+                     use_reference: bool, state: Any = None,
+                     gen_length: int | None = None) -> objectives.ObjectiveInputs:
   """What an objective sees of a batch, given its fresh estimates under pi_theta."""
-  return losses.ObjectiveInputs(log_clip_hi=log_clip_hi,
+  return objectives.ObjectiveInputs(
+      state=state, gen_length=gen_length,
       logp=logp, advantages=batch.advantages, old_logp=batch.old_logp,
       mask=batch.completion_mask if spec.token_level else None,
       ref_logp=batch.ref_logp if use_reference else None, eubo=eubo,
@@ -227,7 +230,7 @@ def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec:
 def surrogate_gradient_norms(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
                              params: Any, batch: RolloutBatch, key: Array, *,
                              spec: LikelihoodSpec,
-                             surrogate: Callable[[losses.ObjectiveInputs], Array]) -> Array:
+                             surrogate: Callable[[objectives.ObjectiveInputs], Array]) -> Array:
   """[N] ||grad_theta s_j||, per sample: max_j |A_j| times these bounds StableDRL's gradient
   norm (docs/algorithms.md).
 
@@ -241,7 +244,7 @@ def surrogate_gradient_norms(logits_fn_of: Callable[[Any, Array], Callable[[Arra
     params: the parameters the gradients are taken with respect to.
     batch: N rollouts; ``key`` and ``spec`` as in ``objective_loss``.
     surrogate: inputs -> [N] s, the objective's registered surrogate with its hyperparameters
-      bound (``losses.Objective.surrogate``).
+      bound (``objectives.Objective.surrogate``).
 
   Returns:
     [N] float32.

@@ -2,7 +2,7 @@
 
 ``validate`` runs before anything is compiled and raises a ValueError naming the offending field.
 The estimator settings, the likelihood spec and the objective's hyperparameters are derived here
-from the config and the registries (``losses`` for objectives, ``models.family`` for model families
+from the config and the registries (``objectives``, ``models.family`` for model families
 and, through a family's ``likelihood``, the estimator methods), so that the config files
 themselves (``training/config_lib.py``) import nothing heavy. ``model_config`` builds the config
 of a fresh model from ``config.model``.
@@ -18,13 +18,13 @@ from typing import Any
 
 import ml_collections
 
-from stabledrl_jax import hub, losses, tasks
+from stabledrl_jax import hub, objectives, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
 from stabledrl_jax.training import data, rl_loss
 
 # Estimator fields that, left unset (None or ''), take the objective's official value
-# (``losses.Objective.estimator``); ``block_length`` falls back to this.
+# (``objectives.Objective.estimator``); ``block_length`` falls back to this.
 _ESTIMATOR_FIELDS = ("method", "num_samples", "normalize", "coupled_ratio", "block_length",
                      "prompt_mask_prob", "schedule", "coupled")
 _DEFAULT_BLOCK_LENGTH = 32
@@ -64,7 +64,7 @@ _NON_NEGATIVE = _Range(0.0)
 _POSITIVE = _Range(0.0, low_open=True)
 _RATE = _Range(0.0, 1.0, low_open=True, note="a learning rate")
 # The range of every float field of ``config_lib.base_config()`` outside the objective sections
-# (whose fields the objective's hyperparameter dataclass checks: ``losses.Objective.
+# (whose fields the objective's hyperparameter dataclass checks: ``objectives.Objective.
 # make_hparams``); tests/test_validation.py holds base_config() to it. None values (an unset
 # placeholder) are not checked here.
 FLOAT_RANGES: dict[str, _Range] = {
@@ -144,7 +144,7 @@ def objective_params(config: ml_collections.ConfigDict) -> Any:
     ValueError naming ``config.objective.<name>.<field>`` for an unknown field or a bad value.
   """
   name = config.objective.name
-  objective = losses.get_objective(name)
+  objective = objectives.get_objective(name)
   section = config.objective.get(name)
   overrides = section.to_dict() if isinstance(section, ml_collections.ConfigDict) else {}
   try:
@@ -155,14 +155,14 @@ def objective_params(config: ml_collections.ConfigDict) -> Any:
 
 def token_level(config: ml_collections.ConfigDict) -> bool:
   """Whether the objective takes per-token log-probs [N, T] (d1's token-level GRPO)."""
-  return losses.get_objective(config.objective.name).token_level(objective_params(config))
+  return objectives.get_objective(config.objective.name).token_level(objective_params(config))
 
 
 def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The estimator fields, each unset one (None or '') filled in from the objective's official
-  settings (``losses.Objective.estimator``), then from the estimator's own defaults."""
-  objective = losses.get_objective(config.objective.name)
-  settings = {"normalize": objective.normalize, "block_length": _DEFAULT_BLOCK_LENGTH,
+  settings (``objectives.Objective.estimator``), then from the estimator's own defaults."""
+  objective = objectives.get_objective(config.objective.name)
+  settings = {"normalize": "mean", "block_length": _DEFAULT_BLOCK_LENGTH,
               "coupled_ratio": False, "num_samples": 1}
   official = objective.estimator(objective_params(config))
   if config.estimator.method and config.estimator.method != official["method"]:
@@ -182,12 +182,12 @@ def estimator_method(config: ml_collections.ConfigDict) -> str:
 
 def uses_reference(config: ml_collections.ConfigDict) -> bool:
   """Whether the objective, with these hyperparameters, needs a frozen reference policy."""
-  return losses.get_objective(config.objective.name).uses_reference(objective_params(config))
+  return objectives.get_objective(config.objective.name).uses_reference(objective_params(config))
 
 
 def advantage_baseline(config: ml_collections.ConfigDict) -> str:
   return (config.objective.advantage_baseline
-          or losses.get_objective(config.objective.name).baseline)
+          or objectives.get_objective(config.objective.name).baseline)
 
 
 def run_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -243,8 +243,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
   _numbers(config)
   name = config.objective.name
-  _require(name in losses.objective_names(), "objective.name",
-           f"{name!r} is not one of {losses.objective_names()}")
+  _require(name in objectives.objective_names(), "objective.name",
+           f"{name!r} is not one of {objectives.objective_names()}")
   if config.tokenizer.kind == "char":  # Before the model, whose vocabulary is the alphabet's.
     try:
       data.make_tokenizer(config.tokenizer)
@@ -268,10 +268,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(stress.easy_rate <= stress.hard_rate, "estimator.stress.easy_rate",
            f"the easy masks must not mask more than the hard ones, got easy_rate="
            f"{stress.easy_rate} > hard_rate={stress.hard_rate}")
-  _require(advantage_baseline(config) in losses.ADVANTAGE_BASELINES,
+  _require(advantage_baseline(config) in objectives.ADVANTAGE_BASELINES,
            "objective.advantage_baseline",
            f"{config.objective.advantage_baseline!r} is not '' or one of "
-           f"{losses.ADVANTAGE_BASELINES}")
+           f"{objectives.ADVANTAGE_BASELINES}")
   _require(r.group_size >= 2, "rollout.group_size",
            f"{r.group_size}: the advantages are relative to the group, so a group of one "
            "gives every completion advantage 0 and nothing is learned; use at least 2")
@@ -285,7 +285,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
   _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
   _require(t.microbatch_groups >= 0, "train.microbatch_groups", "must be >= 0")
-  _require(not t.gradient_bound or losses.get_objective(name).surrogate is not None,
+  _require(not t.gradient_bound or objectives.get_objective(name).surrogate is not None,
            "train.gradient_bound",
            f"the convex-hull bound needs a registered surrogate; {name!r} has none")
   if t.microbatch_groups:
@@ -437,7 +437,7 @@ def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any) -> rl_
   stress_rates = None
   if e.stress.fraction > 0:
     stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
-  objective, params = losses.get_objective(name), objective_params(config)
+  objective, params = objectives.get_objective(name), objective_params(config)
   block_size = family.block_size(model_config)
   return rl_loss.LikelihoodSpec(
       method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
@@ -446,13 +446,3 @@ def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any) -> rl_
       stress_rates=stress_rates, family=family.name, block_size=block_size,
       # Completions fill the last gen_length positions of every rollout row.
       scored_suffix=config.rollout.gen_length if block_size is None else None)
-
-
-def objective_hparams(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
-  """Keyword arguments of the registered objective's loss: its hyperparameters that the loss
-  takes, and the run settings it names (``Objective.context``)."""
-  objective = losses.get_objective(config.objective.name)
-  return objective.loss_kwargs(objective_params(config),
-                               {"gen_length": config.rollout.gen_length})
-
-

@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from stabledrl_jax import losses
+from stabledrl_jax import objectives
 from stabledrl_jax.training import metrics_writer, trainer
 
 _RESULT_FILE = "run_result.json"
@@ -30,7 +30,7 @@ def objective_variants() -> dict[str, dict[str, Any]]:
   official loss and estimator settings, except what the sweep's config sets for all of them
   (every other training setting is shared)."""
   variants = {}
-  for objective in losses.objectives():
+  for objective in objectives.objectives():
     for variant, overrides in objective.variant_overrides().items():
       variants[variant] = {"objective.name": objective.name, **{
           f"objective.{objective.name}.{field}": value for field, value in overrides.items()}}

@@ -8,8 +8,6 @@ parameters and optimizer state untouched and increments ``skipped_steps``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import functools
 import math
 from typing import Any, Callable
@@ -20,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from stabledrl_jax import losses
+from stabledrl_jax import objectives
 from stabledrl_jax.training import rl_loss
 
 Array = jax.Array
@@ -37,8 +35,8 @@ class TrainState:
     key: [2] uint32 raw PRNG key data of the run (``jax.random.wrap_key_data``).
     skipped_steps: updates skipped (non-finite loss, gradient, update or parameters), in total.
     consecutive_skips: updates skipped in a row, up to the latest.
-    log_clip_hi: [] float32 log of StableDRL's upper ratio bound, which its adaptive clip moves
-      between steps (``StableDRLHparams.next_log_clip``); unused otherwise.
+    objective_state: the objective's state (``Objective.init_state``: StableDRL's clip bound),
+      {} for a stateless objective; ``advance_objective_state`` moves it once per RL step.
   """
 
   step: Array
@@ -47,20 +45,21 @@ class TrainState:
   key: Array
   skipped_steps: Array
   consecutive_skips: Array
-  log_clip_hi: Array
+  objective_state: Any
 
 
 def create_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
-                       log_clip_hi: float = math.log(5.0)) -> TrainState:
+                       objective_state: Any = None) -> TrainState:
+  """A fresh state; ``objective_state`` the objective's initial one (None: {}, stateless)."""
   return TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
       key=jax.random.key_data(jax.random.key(seed)), skipped_steps=jnp.zeros((), jnp.int32),
       consecutive_skips=jnp.zeros((), jnp.int32),
-      log_clip_hi=jnp.asarray(log_clip_hi, jnp.float32))
+      objective_state={} if objective_state is None else objective_state)
 
 
 def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardings: Any,
-                    replicated: jax.sharding.Sharding) -> TrainState:
+                    replicated: jax.sharding.Sharding, objective_state: Any = None) -> TrainState:
   """Shardings of the ``TrainState`` of ``params`` (concrete or abstract).
 
   Optimizer-state leaves shaped like the parameters (Adam's moments) take their parameter's
@@ -70,11 +69,13 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardin
   them (30 GiB for LLaDA-8B in bf16) instead of its shards.
   """
   abstract = jax.eval_shape(lambda p: create_train_state(p, tx, 0), params)
+  objective_state = jax.tree.map(lambda _: replicated, {} if objective_state is None
+                                 else objective_state)
   opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state,
                                     param_shardings, transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_state,
                     key=replicated, skipped_steps=replicated, consecutive_skips=replicated,
-                    log_clip_hi=replicated)
+                    objective_state=objective_state)
 
 
 def _split_microbatches(batch: rl_loss.RolloutBatch, num_microbatches: int,
@@ -132,7 +133,7 @@ def _merge_microbatches(x: Array, num_microbatches: int, group_size: int) -> Arr
 PER_SAMPLE = "per_sample/"
 
 
-def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
+def reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
   """Microbatch metrics [M] -> scalars: max of '/max' metrics, min of '/min', else mean.
 
   ``per_sample/`` entries are not metrics and are left out (``update_step`` merges them)."""
@@ -151,15 +152,16 @@ def _reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
 
 def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
                 tx: optax.GradientTransformation, spec: rl_loss.LikelihoodSpec, objective: str,
-                hparams: tuple[tuple[str, Any], ...], group_size: int, num_microbatches: int,
+                hparams: Any, group_size: int, gen_length: int, num_microbatches: int,
                 use_reference: bool, gradient_bound: bool = False,
                 microbatch_sharding: jax.sharding.NamedSharding | None = None
                 ) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer update on a rollout batch with fresh estimator masks from ``key``.
 
-  ``gradient_bound`` (StableDRL only) also logs ``grad_bound/max``, max_j |A_j| ||grad s_j||,
-  and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1 (and
-  ``per_sample/grad_norm``, ||grad s_j||).
+  ``objective`` names the registered objective, ``hparams`` its hyperparameters (a frozen
+  dataclass: the update compiles for its values). ``gradient_bound`` (StableDRL only) also logs
+  ``grad_bound/max``, max_j |A_j| ||grad s_j||, and ``grad_norm_over_bound/max``, which the
+  convex-hull property keeps <= 1 (and ``per_sample/grad_norm``, ||grad s_j||).
   ``microbatch_sharding``: see ``microbatch_sharding()``.
 
   Returns:
@@ -173,8 +175,9 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   def loss_fn(params, micro, micro_key):
     return rl_loss.objective_loss(logits_fn_of(params, micro.attention_mask), micro, micro_key,
                                   spec=spec, objective=objective, hparams=hparams,
-                                  group_size=group_size, use_reference=use_reference,
-                                  log_clip_hi=state.log_clip_hi)
+                                  group_size=group_size, gen_length=gen_length,
+                                  use_reference=use_reference,
+                                  objective_state=state.objective_state)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   micro = _constrain(_split_microbatches(batch, num_microbatches, group_size),
@@ -185,12 +188,10 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     mb, mb_key = inputs
     (_, metrics), mb_grads = grad_fn(params, mb, mb_key)
     if gradient_bound:
-      registered = losses.get_objective(objective)
-      fields = {f.name for f in dataclasses.fields(registered.hparams)}
-      bound_params = registered.make_hparams({k: v for k, v in hparams if k in fields})
+      registered = objectives.get_objective(objective)
       norms = rl_loss.surrogate_gradient_norms(
           logits_fn_of, params, mb, mb_key, spec=spec,
-          surrogate=lambda inputs: registered.surrogate(inputs, bound_params))
+          surrogate=lambda inputs: registered.surrogate(inputs, hparams))
       metrics["grad_bound/max"] = jnp.max(jnp.abs(mb.advantages) * norms)
       metrics[PER_SAMPLE + "grad_norm"] = norms
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
@@ -207,7 +208,7 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     grads, stacked = jax.lax.scan(
         lambda g, inputs: accumulate(g, inputs, _in_loop(state.params, g)), zeros,
         (micro, keys))
-  metrics = _reduce_metrics(stacked)
+  metrics = reduce_metrics(stacked)
   metrics.update({name: _merge_microbatches(value, num_microbatches, group_size)
                   for name, value in stacked.items() if name.startswith(PER_SAMPLE)})
   if "log_ratio/max" in metrics:
@@ -244,6 +245,19 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
       "skipped": skipped,
   })
   return new_state, metrics
+
+
+def advance_objective_state(objective_state: Any, inner_metrics: list[dict[str, Array]], *,
+                            objective: str, hparams: Any) -> Any:
+  """The objective's state for the next RL step (``Objective.update_state``), from the metrics
+  of this step's updates (``update_step``'s, one dict per update; reduced like the step's log).
+  Pure: jitted by the trainer, so the state never leaves the devices."""
+  registered = objectives.get_objective(objective)
+  if registered.update_state is None:
+    return objective_state
+  scalars = [{k: v for k, v in m.items() if not k.startswith(PER_SAMPLE)} for m in inner_metrics]
+  metrics = reduce_metrics(jax.tree.map(lambda *xs: jnp.stack(xs), *scalars))
+  return registered.update_state(objective_state, metrics, hparams)
 
 
 def _all_finite(tree: Any) -> Array:

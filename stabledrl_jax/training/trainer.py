@@ -31,6 +31,7 @@ processes, and ends the run normally; rerunning the command continues exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import signal
@@ -50,7 +51,7 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import estimators, hub, losses, models, profiling, sampling, tasks
+from stabledrl_jax import estimators, hub, models, objectives, profiling, sampling, tasks
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost
@@ -264,8 +265,9 @@ def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shar
       graphdef, tx, state_shardings=state_shardings,
       batch_shardings=models.batch_sharding(mesh, ndim=1),
       replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec=spec,
-      objective=config.objective.name, hparams=specs.objective_hparams(config),
-      group_size=config.rollout.group_size, num_microbatches=specs.num_microbatches(config),
+      objective=config.objective.name, hparams=specs.objective_params(config),
+      group_size=config.rollout.group_size, gen_length=config.rollout.gen_length,
+      num_microbatches=specs.num_microbatches(config),
       use_reference=specs.uses_reference(config),
       gradient_bound=config.train.gradient_bound)
 
@@ -290,11 +292,13 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   tx = optimizer_lib.make_optimizer(config.optimizer,
                                     config.train.num_steps * config.train.num_iterations)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  objective_state = objectives.get_objective(config.objective.name).initial_state(
+      specs.objective_params(config))
   shardings = train_step.state_shardings(tx, params, jax.tree.map(lambda p: p.sharding, params),
-                                         replicated)
+                                         replicated, objective_state)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       jax.eval_shape(lambda p: train_step.create_train_state(p, tx, config.seed),
-                                      params), shardings)
+                       jax.eval_shape(lambda p: train_step.create_train_state(
+                           p, tx, config.seed, objective_state), params), shardings)
   spec = specs.likelihood_spec(config, model_cfg)
   r = config.rollout
   n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
@@ -311,6 +315,58 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
   update = make_update(config, graphdef, tx, shardings, mesh, spec)
   return update, state, batch, key
+
+
+# Top-level fields of older checkpoints' states that now live in ``TrainState.objective_state``:
+# StableDRL's clip bound was ``TrainState.log_clip_hi``.
+_LEGACY_OBJECTIVE_FIELDS = ("log_clip_hi",)
+
+
+def _restore_item(fields: dict[str, Any], stored: dict[str, list[tuple[int, ...]]],
+                  where: str) -> dict[str, Any]:
+  """What to restore of a checkpoint whose state has ``stored`` fields, as a dict of abstract
+  arrays: this state's ``fields``, with an older checkpoint's layout where it has one.
+
+  A checkpoint without ``objective_state`` (or with an empty one) restores the rest, and the
+  missing subtree starts as a fresh run's (``_restored_state``), except a legacy top-level
+  leaf that the objective state holds under the same name (StableDRL's ``log_clip_hi``).
+
+  Raises:
+    ValueError: the stored arrays do not have this state's shapes (another model).
+  """
+  objective_state = fields["objective_state"]
+  item = {name: value for name, value in fields.items() if name in stored}
+  for name in _LEGACY_OBJECTIVE_FIELDS:
+    if name in stored and name not in fields:  # Read and dropped unless the state holds it.
+      like = objective_state.get(name) if isinstance(objective_state, dict) else None
+      item[name] = like if like is not None else jax.ShapeDtypeStruct(
+          (), jnp.float32, sharding=fields["step"].sharding)
+  want = sorted(tuple(x.shape) for x in jax.tree.leaves(item))
+  have = sorted(shape for shapes in stored.values() for shape in shapes)
+  required = set(fields) - {"objective_state"}
+  if want != have or not required <= set(stored):
+    full = sorted(tuple(x.shape) for x in jax.tree.leaves(fields))
+    mismatch = next(((a, b) for a, b in zip(have, full) if a != b), (len(have), len(full)))
+    raise ValueError(f"config does not match {where}: its {len(have)} arrays do not have "
+                     f"the shapes of this model's state ({len(full)}; e.g. "
+                     f"{mismatch[0]} stored vs {mismatch[1]}). Resume with the "
+                     "checkpoint's model config, or start a new --workdir.")
+  return item
+
+
+def _restored_state(fresh: train_step.TrainState, restored: dict[str, Any]
+                    ) -> train_step.TrainState:
+  """The state of a restored ``_restore_item``: missing objective state from ``fresh``."""
+  objective_state = restored.pop("objective_state", None)
+  if objective_state is None or not jax.tree.leaves(objective_state):
+    objective_state = fresh.objective_state
+    if isinstance(objective_state, dict):
+      objective_state = {**objective_state, **{
+          name: restored[name] for name in _LEGACY_OBJECTIVE_FIELDS
+          if name in restored and name in objective_state}}
+  for name in _LEGACY_OBJECTIVE_FIELDS:
+    restored.pop(name, None)
+  return fresh.replace(**restored, objective_state=objective_state)
 
 
 class Trainer:
@@ -392,13 +448,14 @@ class Trainer:
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
+    self.objective = objectives.get_objective(config.objective.name)
+    self.objective_params = specs.objective_params(config)
     self.state_shardings = train_step.state_shardings(
         self.tx, params, jax.tree.map(lambda p: p.sharding, params),
-        jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-    # The objective's hyperparameters; StableDRL's adaptive clip starts from max_ratio.
-    self.objective_params = specs.objective_params(config)
-    log_clip_hi = float(np.log(getattr(self.objective_params, "max_ratio", 5.0)))
-    state = jax.jit(lambda p: train_step.create_train_state(p, self.tx, config.seed, log_clip_hi),
+        jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
+        objective_state=self.objective.initial_state(self.objective_params))
+    state = jax.jit(lambda p: train_step.create_train_state(
+        p, self.tx, config.seed, self.objective.initial_state(self.objective_params)),
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
@@ -412,8 +469,11 @@ class Trainer:
 
     self.spec = specs.likelihood_spec(config, self.model_config)
     self.spec_settings = specs.estimator_settings(config)
-    objective = losses.get_objective(config.objective.name)
-    self.needs_old = "old_logp" in objective.requires
+    self.needs_old = "old_logp" in self.objective.requires
+    self.advance_objective_state = jax.jit(
+        functools.partial(train_step.advance_objective_state, objective=self.objective.name,
+                          hparams=self.objective_params),
+        out_shardings=self.state_shardings.objective_state)
     self.update = make_update(config, self.graphdef, self.tx, self.state_shardings, self.mesh,
                               self.spec)
     self.estimate_no_grad = jax.jit(train_step.traced_under(
@@ -454,40 +514,25 @@ class Trainer:
     never damage.
     """
     abstract = checkpointing.abstract_like(state)
-    want_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract))
-    # A checkpoint written before TrainState.log_clip_hi existed: the rest restores, and the
-    # bound starts where a fresh run's does.
-    legacy = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)
-              if f.name != "log_clip_hi"}
-    legacy_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(legacy))
+    fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
     damaged = []
     for step in reversed(self.checkpointer.all_steps()):
       where = f"{self.checkpointer.directory}/{step}"
       try:
         meta = self.checkpointer.restore_meta(step)
-        shapes = self.checkpointer.stored_shapes(step)
+        stored = self.checkpointer.stored_fields(step)
       except Exception as error:  # pylint: disable=broad-except
         damaged.append((step, f"its metadata cannot be read ({_one_line(error)})"))
         continue
       if "config" in meta:
         checkpointing.check_resume(self.config, meta["config"], where)
-      item = abstract
-      if shapes == legacy_shapes and shapes != want_shapes:
-        item = legacy
-      elif shapes != want_shapes:
-        mismatch = next(((a, b) for a, b in zip(shapes, want_shapes) if a != b),
-                        (len(shapes), len(want_shapes)))
-        raise ValueError(f"config does not match {where}: its {len(shapes)} arrays do not have "
-                         f"the shapes of this model's state ({len(want_shapes)}; e.g. "
-                         f"{mismatch[0]} stored vs {mismatch[1]}). Resume with the "
-                         "checkpoint's model config, or start a new --workdir.")
+      item = _restore_item(fields, stored, where)
       try:
         restored, meta = self.checkpointer.restore(step, item)
       except Exception as error:  # pylint: disable=broad-except
         damaged.append((step, f"it cannot be restored ({_one_line(error)})"))
         continue
-      if item is legacy:
-        restored = state.replace(**restored)
+      restored = _restored_state(state, restored)
       bad = checkpointing.nonfinite_leaves(restored.params)
       if bad:
         damaged.append((step, f"{len(bad)} parameters are not finite ({', '.join(bad[:3])}"
@@ -614,7 +659,7 @@ class Trainer:
     components = self.scorer(texts, [examples[i // r.group_size] for i in range(len(texts))])
     rewards = self.scorer.rewards(components)
     # Groups never span processes: the advantages of this process's rows are its own.
-    advantages = np.asarray(losses.group_advantages(
+    advantages = np.asarray(objectives.group_advantages(
         jnp.asarray(rewards), r.group_size,
         scale_by_std=config.objective.scale_advantages_by_std,
         baseline=specs.advantage_baseline(config)))
@@ -660,24 +705,18 @@ class Trainer:
       inner.append(metrics)
     # On the host: the metrics are replicated, and host code launches no computation on global
     # arrays that another process might order differently.
-    inner = jax.device_get(inner)
+    inner_device, inner = inner, jax.device_get(inner)
     per_sample = {name: np.stack([m.pop(name) for m in inner]) for name in list(inner[0])
                   if name.startswith(train_step.PER_SAMPLE)}  # [I, N] each.
-    metrics = train_step._reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
+    metrics = train_step.reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics.update(_ratio_noise([float(m["log_ratio/var"]) for m in inner
                                  if "log_ratio/var" in m]))
     if kl_start is not None:
       metrics["kl_start/mean"] = float(kl_start)
-    # StableDRL's adaptive clip: the next step's bound, from this step's clipped fraction.
-    log_clip_hi = float(self.state.log_clip_hi)
-    if hasattr(self.objective_params, "next_log_clip"):
-      metrics["clip/max_ratio"] = float(np.exp(log_clip_hi))
-      log_clip_hi = float(self.objective_params.next_log_clip(
-          log_clip_hi, metrics["clip/frac_upper"] + metrics["clip/frac_lower"]))
     self.state = self.state.replace(
         step=jax.device_put(np.int32(step + 1), self.state_shardings.step),  # Global everywhere.
-        log_clip_hi=jax.device_put(np.float32(log_clip_hi), self.state_shardings.log_clip_hi))
+        objective_state=self.advance_objective_state(self.state.objective_state, inner_device))
 
     # Whole-batch statistics of host-side values: every process's rows.
     # Whole-batch statistics of host-side values: every process's rows, groups contiguous.

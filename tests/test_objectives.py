@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from stabledrl_jax import losses
+from stabledrl_jax import objectives
+from stabledrl_jax.objectives import stabledrl as sdrl
 
 # ---------------------------------------------------------------------------
 # Independent float64 references (written from the formulas of docs/algorithms.md, not the code).
@@ -96,20 +97,20 @@ def random_batch(seed, groups=3, g=4):
 @pytest.mark.parametrize("scale", [False, True])
 def test_group_advantages_matches_numpy(scale):
   rewards = np.random.default_rng(0).normal(size=24).astype(np.float32)
-  got = losses.group_advantages(jnp.asarray(rewards), 6, scale_by_std=scale)
+  got = objectives.group_advantages(jnp.asarray(rewards), 6, scale_by_std=scale)
   np.testing.assert_allclose(got, np_advantages(rewards, 6, scale), rtol=1e-5, atol=1e-6)
 
 
 def test_group_advantages_zero_for_equal_rewards_and_sum_to_zero():
   rewards = jnp.array([1.0, 1.0, 1.0, 0.0, 1.0, 2.0])
-  adv = losses.group_advantages(rewards, 3, scale_by_std=True)
+  adv = objectives.group_advantages(rewards, 3, scale_by_std=True)
   np.testing.assert_allclose(adv[:3], 0.0)
   np.testing.assert_allclose(adv.reshape(2, 3).sum(1), 0.0, atol=1e-6)
 
 
 def test_group_advantages_rejects_partial_groups():
   with pytest.raises(ValueError, match="multiple of group_size"):
-    losses.group_advantages(jnp.zeros(7), 4)
+    objectives.group_advantages(jnp.zeros(7), 4)
 
 
 # ---------------------------------------------------------------------------
@@ -120,7 +121,7 @@ def test_group_advantages_rejects_partial_groups():
 @pytest.mark.parametrize("lo,hi", [(0.0, 5.0), (0.8, 1.2)])
 def test_snis_weights_match_numpy(lo, hi):
   _, log_ratio, _, _, g = random_batch(1)
-  got = losses.snis_weights(jnp.asarray(log_ratio), g, min_ratio=lo, max_ratio=hi)
+  got = sdrl.snis_weights(jnp.asarray(log_ratio), g, min_ratio=lo, max_ratio=hi)
   np.testing.assert_allclose(got, np_snis(log_ratio, g, lo, hi), rtol=1e-5, atol=1e-7)
 
 
@@ -133,14 +134,14 @@ def test_snis_weights_finite_nonnegative_normalized(groups, g, data, symmetric):
       np.float32, groups * g,
       elements=st.one_of(st.floats(-1e4, 1e4, width=32), st.sampled_from([-1e4, 1e4]))))
   lo, hi = (0.8, 1.2) if symmetric else (0.0, 5.0)
-  w = np.asarray(losses.snis_weights(jnp.asarray(log_ratio), g, min_ratio=lo, max_ratio=hi))
+  w = np.asarray(sdrl.snis_weights(jnp.asarray(log_ratio), g, min_ratio=lo, max_ratio=hi))
   assert np.all(np.isfinite(w)) and np.all(w >= 0)
   np.testing.assert_allclose(w.reshape(groups, g).sum(1), 1.0, rtol=1e-5)
 
 
 def test_snis_weights_survive_infinite_ratios():
   log_ratio = jnp.array([jnp.inf, 0.0, -jnp.inf, -jnp.inf, -jnp.inf, -jnp.inf])
-  w = np.asarray(losses.snis_weights(log_ratio, 3))
+  w = np.asarray(sdrl.snis_weights(log_ratio, 3))
   assert np.all(np.isfinite(w))
   np.testing.assert_allclose(w[:3], np_snis([np.log(5.0), 0.0, -np.inf], 3))
   # Every ratio exactly zero: no preference, uniform weights.
@@ -148,19 +149,19 @@ def test_snis_weights_survive_infinite_ratios():
 
 
 def test_snis_weights_have_no_gradient():
-  grad = jax.grad(lambda x: jnp.sum(losses.snis_weights(x, 2) * jnp.arange(4.0)))(jnp.ones(4))
+  grad = jax.grad(lambda x: jnp.sum(sdrl.snis_weights(x, 2) * jnp.arange(4.0)))(jnp.ones(4))
   np.testing.assert_array_equal(grad, 0.0)
 
 
 def test_snis_sample_mask_zeroes_weight():
-  w = losses.snis_weights(jnp.array([3.0, 1.0, 2.0, 0.0]), 4,
+  w = sdrl.snis_weights(jnp.array([3.0, 1.0, 2.0, 0.0]), 4,
                           sample_mask=jnp.array([False, True, True, True]))
   np.testing.assert_allclose(w, np_snis([3.0, 1.0, 2.0, 0.0], 4, valid=[0, 1, 1, 1]), rtol=1e-6)
 
 
 def test_ratio_bounds_are_validated():
   with pytest.raises(ValueError, match="min_ratio < max_ratio"):
-    losses.snis_weights(jnp.zeros(2), 2, min_ratio=2.0, max_ratio=1.0)
+    sdrl.snis_weights(jnp.zeros(2), 2, min_ratio=2.0, max_ratio=1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def test_ratio_bounds_are_validated():
 @pytest.mark.parametrize("lo,hi", [(0.0, 5.0), (0.8, 1.2)])
 def test_stabledrl_loss_matches_numpy(lo, hi):
   logp, log_ratio, adv, _, g = random_batch(2)
-  loss, metrics = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio),
+  loss, metrics = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio),
                                         jnp.asarray(adv), g, min_ratio=lo, max_ratio=hi)
   np.testing.assert_allclose(loss, np_stabledrl(logp, log_ratio, adv, g, lo, hi), rtol=1e-5)
   w = np_snis(log_ratio, g, lo, hi).reshape(-1, g)
@@ -189,14 +190,14 @@ def test_stabledrl_loss_with_padding_matches_numpy():
   valid = np.random.default_rng(3).random(n) > 0.3
   # Padded samples hold garbage that must not leak into the loss.
   log_ratio = np.where(valid, log_ratio, 1e30).astype(np.float32)
-  loss, _ = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
+  loss, _ = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
                                   g, sample_mask=jnp.asarray(valid))
   np.testing.assert_allclose(loss, np_stabledrl(logp, log_ratio, adv, g, valid=valid), rtol=1e-5)
 
 
 def test_stabledrl_batch_normalization_scope():
   logp, log_ratio, adv, n, g = random_batch(4)
-  loss, _ = losses.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
+  loss, _ = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv),
                                   g, normalize_over="batch")
   w = np_snis(log_ratio, n)
   np.testing.assert_allclose(loss, -np.sum(w * adv * logp), rtol=1e-5)
@@ -204,7 +205,7 @@ def test_stabledrl_batch_normalization_scope():
 
 def test_stabledrl_gradient_is_snis_weighted_policy_gradient():
   logp, log_ratio, adv, _, g = random_batch(5)
-  grad = jax.grad(lambda s: losses.stabledrl_loss(s, jnp.asarray(log_ratio),
+  grad = jax.grad(lambda s: sdrl.stabledrl_loss(s, jnp.asarray(log_ratio),
                                                   jnp.asarray(adv), g)[0])(jnp.asarray(logp))
   expected = -np_snis(log_ratio, g) * adv / (len(logp) // g)
   np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8)
@@ -224,7 +225,7 @@ def test_gradient_stays_in_convex_hull(seed, groups, g, log_scale, symmetric):
   lo, hi = (0.8, 1.2) if symmetric else (0.0, 5.0)
 
   def loss_fn(theta):
-    return losses.stabledrl_loss(jnp.asarray(features) @ theta, jnp.asarray(log_ratio),
+    return sdrl.stabledrl_loss(jnp.asarray(features) @ theta, jnp.asarray(log_ratio),
                                  jnp.asarray(adv), g, min_ratio=lo, max_ratio=hi)[0]
 
   grad = np.asarray(jax.grad(loss_fn)(jnp.zeros(dim)), np.float64)
@@ -239,13 +240,13 @@ def test_grpo_gradient_grows_without_bound_for_negative_advantage():
   norms = []
   for log_rho in [0.0, 5.0, 10.0, 20.0, 40.0]:
     old = jnp.array([-log_rho, 0.0])
-    grad = jax.grad(lambda lp: losses.grpo_loss(lp, old, adv)[0])(jnp.zeros(2))
+    grad = jax.grad(lambda lp: objectives.grpo.grpo_loss(lp, old, adv)[0])(jnp.zeros(2))
     norms.append(float(jnp.linalg.norm(grad)))
     np.testing.assert_allclose(grad[0], np.exp(log_rho) / 2, rtol=1e-4)
   assert all(b > 100 * a for a, b in zip(norms[1:], norms[2:]))
   # StableDRL on the same ratios stays below max |A| * ||grad s|| = 1.
   for log_rho in [0.0, 40.0, 1e4]:
-    grad = jax.grad(lambda s: losses.stabledrl_loss(
+    grad = jax.grad(lambda s: sdrl.stabledrl_loss(
         s, jnp.array([log_rho, 0.0]), adv, 2)[0])(jnp.zeros(2))
     assert float(jnp.linalg.norm(grad)) <= 1.0
 
@@ -265,14 +266,14 @@ def test_grpo_token_level_with_padding_and_kl_matches_numpy(kl):
   adv = np_advantages(rng.integers(0, 2, n), 4).astype(np.float32)
   mask = rng.random((n, t)) > 0.25
   logp_padded = np.where(mask, logp, 1e4).astype(np.float32)  # padding garbage
-  loss, metrics = losses.grpo_loss(
+  loss, metrics = objectives.grpo.grpo_loss(
       jnp.asarray(logp_padded), jnp.asarray(old), jnp.asarray(adv), epsilon_low=0.2,
       epsilon_high=0.28, mask=jnp.asarray(mask), ref_logp=jnp.asarray(ref), beta=0.04,
       kl_estimator=kl)
   expected = np_grpo(logp_padded, old, adv, 0.2, 0.28, mask, ref, 0.04, kl)
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   assert np.isfinite(metrics["log_ratio/max"])
-  grad = jax.grad(lambda lp: losses.grpo_loss(lp, jnp.asarray(old), jnp.asarray(adv),
+  grad = jax.grad(lambda lp: objectives.grpo.grpo_loss(lp, jnp.asarray(old), jnp.asarray(adv),
                                               mask=jnp.asarray(mask))[0])(jnp.asarray(logp_padded))
   assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[~mask] == 0)
 
@@ -280,7 +281,7 @@ def test_grpo_token_level_with_padding_and_kl_matches_numpy(kl):
 def test_grpo_sequence_level_matches_numpy():
   logp, log_ratio, adv, _, _ = random_batch(7)
   old = logp - log_ratio * 0.3
-  loss, metrics = losses.grpo_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
+  loss, metrics = objectives.grpo.grpo_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
                                    epsilon_low=0.5, epsilon_high=0.5)
   np.testing.assert_allclose(loss, np_grpo(logp, old, adv, 0.5, 0.5), rtol=1e-5)
   rho = np.exp(logp.astype(np.float64) - old)
@@ -290,7 +291,7 @@ def test_grpo_sequence_level_matches_numpy():
 
 def test_grpo_beta_without_reference_is_an_error():
   with pytest.raises(ValueError, match="ref_logp"):
-    losses.grpo_loss(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), beta=0.1)
+    objectives.grpo.grpo_loss(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), beta=0.1)
 
 
 def test_espo_matches_numpy():
@@ -300,7 +301,7 @@ def test_espo_matches_numpy():
   old = elbo + rng.normal(scale=8, size=n).astype(np.float32)
   ref = elbo + rng.normal(scale=5, size=n).astype(np.float32)
   adv = np_advantages(rng.integers(0, 2, n), 4).astype(np.float32)
-  loss, _ = losses.espo_loss(jnp.asarray(elbo), jnp.asarray(old), jnp.asarray(adv), length,
+  loss, _ = objectives.espo.espo_loss(jnp.asarray(elbo), jnp.asarray(old), jnp.asarray(adv), length,
                              epsilon=0.2, ref_elbo=jnp.asarray(ref), beta=0.01)
   e, o, r = (x.astype(np.float64) for x in (elbo, old, ref))
   expected = np_grpo(e / length, o / length, adv, 0.2, 0.2) + 0.01 * np.mean(
@@ -321,17 +322,18 @@ def test_spg_sandwich_and_loss_match_numpy():
   adv = np_advantages(rng.integers(0, 3, n), 4).astype(np.float32)
   lengths = rng.integers(1, 30, n).astype(np.float32)
   valid = np.arange(n) != 3
-  s = losses.spg_surrogate(jnp.asarray(elbo), jnp.asarray(eubo), jnp.asarray(adv), omega=0.5)
+  s = objectives.spg.spg_surrogate(jnp.asarray(elbo), jnp.asarray(eubo), jnp.asarray(adv),
+                                   omega=0.5)
   expected_s = np.where(adv > 0, elbo, 0.5 * eubo + 0.5 * elbo)
   np.testing.assert_allclose(s, expected_s, rtol=1e-6)
-  loss, _ = losses.spg_loss(s, jnp.asarray(adv), jnp.asarray(lengths),
+  loss, _ = objectives.spg.spg_loss(s, jnp.asarray(adv), jnp.asarray(lengths),
                             sample_mask=jnp.asarray(valid))
   np.testing.assert_allclose(loss, np_spg(expected_s, adv, lengths, valid), rtol=1e-5)
 
 
 def test_wd1_matches_numpy():
   logp, _, adv, _, g = random_batch(10)
-  loss, _ = losses.wd1_loss(jnp.asarray(logp), jnp.asarray(adv), g)
+  loss, _ = objectives.wd1.wd1_loss(jnp.asarray(logp), jnp.asarray(adv), g)
   np.testing.assert_allclose(loss, np_wd1(logp, adv, g), rtol=1e-5)
 
 
@@ -341,9 +343,9 @@ def test_wd1_matches_numpy():
 
 
 def test_registry_has_every_objective():
-  assert set(losses.objective_names()) >= {"grpo", "espo", "spg", "wd1", "stabledrl"}
+  assert set(objectives.objective_names()) >= {"grpo", "espo", "spg", "wd1", "stabledrl"}
   with pytest.raises(ValueError, match="Unknown objective"):
-    losses.get_objective("ppo")
+    objectives.get_objective("ppo")
 
 
 def test_registered_objectives_agree_with_direct_calls():
@@ -351,27 +353,29 @@ def test_registered_objectives_agree_with_direct_calls():
   old = logp - log_ratio
   eubo = logp + 0.5
   lengths = np.full(n, 10.0, np.float32)
-  inputs = losses.ObjectiveInputs(logp=jnp.asarray(logp), advantages=jnp.asarray(adv),
+  inputs = objectives.ObjectiveInputs(logp=jnp.asarray(logp), advantages=jnp.asarray(adv),
                                   old_logp=jnp.asarray(old), eubo=jnp.asarray(eubo),
                                   lengths=jnp.asarray(lengths))
-  sdrl, _ = losses.get_objective("stabledrl")(inputs, group_size=g, surrogate="sandwich")
+  registered = lambda name, **overrides: objectives.get_objective(name)(
+      inputs, objectives.get_objective(name).make_hparams(overrides), g)
+  stable, _ = registered("stabledrl", surrogate="sandwich")
   s = np.where(adv > 0, logp, 0.5 * eubo + 0.5 * logp)
-  np.testing.assert_allclose(sdrl, np_stabledrl(s, logp - old, adv, g), rtol=1e-5)
-  grpo, _ = losses.get_objective("grpo")(inputs, group_size=g, epsilon_low=0.5, epsilon_high=0.5,
-                                         beta=0.0)
+  np.testing.assert_allclose(stable, np_stabledrl(s, logp - old, adv, g), rtol=1e-5)
+  grpo, _ = registered("grpo", epsilon_low=0.5, epsilon_high=0.5, beta=0.0)
   np.testing.assert_allclose(grpo, np_grpo(logp, old, adv, 0.5, 0.5), rtol=1e-5)
-  espo, _ = losses.get_objective("espo")(inputs, group_size=g, gen_length=16, beta=0.0)
+  espo, _ = objectives.get_objective("espo")(inputs.replace(gen_length=16),
+                                             objectives.espo.ESPOHparams(beta=0.0), g)
   np.testing.assert_allclose(espo, np_grpo(logp / 16, old / 16, adv), rtol=1e-5)
-  spg, _ = losses.get_objective("spg")(inputs, group_size=g)
+  spg, _ = registered("spg")
   np.testing.assert_allclose(spg, np_spg(s, adv, lengths), rtol=1e-5)
-  wd1, _ = losses.get_objective("wd1")(inputs, group_size=g)
+  wd1, _ = registered("wd1")
   np.testing.assert_allclose(wd1, np_wd1(logp, adv, g), rtol=1e-5)
 
 
 def test_objective_names_missing_inputs():
-  inputs = losses.ObjectiveInputs(logp=jnp.zeros(4), advantages=jnp.zeros(4))
+  inputs = objectives.ObjectiveInputs(logp=jnp.zeros(4), advantages=jnp.zeros(4))
   with pytest.raises(ValueError, match="old_logp"):
-    losses.get_objective("stabledrl")(inputs, group_size=2)
+    objectives.get_objective("stabledrl")(inputs, sdrl.StableDRLHparams(), 2)
 
 
 # ---------------------------------------------------------------------------
@@ -385,13 +389,89 @@ class JitAgreementTest(chex.TestCase, parameterized.TestCase):
   @parameterized.parameters("grpo", "espo", "spg", "wd1", "stabledrl")
   def test_objective(self, name):
     logp, log_ratio, adv, n, g = random_batch(12)
-    inputs = losses.ObjectiveInputs(
+    inputs = objectives.ObjectiveInputs(
         logp=jnp.asarray(logp), advantages=jnp.asarray(adv),
         old_logp=jnp.asarray(logp - log_ratio), eubo=jnp.asarray(logp + 1.0),
         ref_logp=jnp.asarray(logp - 0.3), lengths=jnp.full((n,), 7.0), mask=jnp.arange(n) != 2)
-    hparams = {"gen_length": 32} if name == "espo" else {}
-    fn = self.variant(functools.partial(losses.get_objective(name), group_size=g, **hparams))
+    inputs = inputs.replace(gen_length=32)
+    objective = objectives.get_objective(name)
+    hparams = objective.make_hparams()
+    fn = self.variant(functools.partial(objective, hparams=hparams, group_size=g))
     loss, metrics = fn(inputs)
-    ref_loss, ref_metrics = losses.get_objective(name)(inputs, group_size=g, **hparams)
+    ref_loss, ref_metrics = objective(inputs, hparams, g)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     chex.assert_trees_all_close(metrics, ref_metrics, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# One file per objective, one copy of each default, state updated inside jit.
+# ---------------------------------------------------------------------------
+
+
+_ARRAY_FUNCTIONS = {
+    "stabledrl": (sdrl.StableDRLHparams,
+                  [sdrl.stabledrl_loss, sdrl.snis_weights,
+                   sdrl.clip_log_ratio]),
+    "grpo": (objectives.grpo.GRPOHparams, [objectives.grpo.grpo_loss]),
+    "espo": (objectives.espo.ESPOHparams, [objectives.espo.espo_loss]),
+    "spg": (objectives.spg.SPGHparams, [objectives.spg.spg_surrogate]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ARRAY_FUNCTIONS))
+def test_the_array_functions_default_to_their_objectives_hyperparameters(name):
+  """A hyperparameter's default is written once, in its dataclass: every array-level function
+  that takes it as a keyword defaults to that value (``beta`` aside: 0 there means no KL)."""
+  import dataclasses
+  import inspect
+  hparams, functions = _ARRAY_FUNCTIONS[name]
+  defaults = {f.name: f.default for f in dataclasses.fields(hparams)}
+  checked = 0
+  for fn in functions:
+    for parameter in inspect.signature(fn).parameters.values():
+      if parameter.name in defaults and parameter.name != "beta":
+        assert parameter.default == defaults[parameter.name], (fn.__name__, parameter.name)
+        checked += 1
+  assert checked
+
+
+@pytest.mark.parametrize("name", ["stabledrl", "grpo", "espo", "spg", "wd1"])
+def test_each_objective_module_opens_with_its_equation_and_official_source(name):
+  import re
+  module = getattr(objectives, name)
+  doc = module.__doc__
+  assert "Official code" in doc and re.search(r"\[[0-9a-f]{7}\]", doc), name  # Its commit.
+  assert re.search(r":\d+(-\d+)?", doc), name  # Source lines.
+  assert "=" in doc.split("\n\n")[1], name  # The equation, right after the title.
+  assert objectives.get_objective(name).loss.__module__ == module.__name__
+
+
+def test_the_adaptive_clip_state_moves_inside_jit_as_its_controller_says():
+  """``train_step.advance_objective_state`` (jitted, as the trainer runs it): the bound after a
+  step is ``adapt_log_clip`` of the mean clipped fraction over the step's updates; fixed: kept."""
+  from stabledrl_jax.training import train_step
+  adaptive = sdrl.StableDRLHparams(clip_mode="adaptive", max_ratio=2.0)
+  state = objectives.get_objective("stabledrl").initial_state(adaptive)
+  assert float(state["log_clip_hi"]) == pytest.approx(np.log(2.0))
+  inner = [{"clip/frac_upper": jnp.float32(0.25), "clip/frac_lower": jnp.float32(0.0),
+            "per_sample/weight": jnp.ones(4)},
+           {"clip/frac_upper": jnp.float32(0.125), "clip/frac_lower": jnp.float32(0.0625),
+            "per_sample/weight": jnp.ones(4)}]
+  for hparams, moved in ((adaptive, True), (sdrl.StableDRLHparams(), False)):
+    advance = jax.jit(functools.partial(train_step.advance_objective_state,
+                                        objective="stabledrl", hparams=hparams))
+    new = advance(state, inner)
+    expected = sdrl.adapt_log_clip(state["log_clip_hi"], 0.1875 + 0.03125)
+    assert float(new["log_clip_hi"]) == (float(expected) if moved else float(state[
+        "log_clip_hi"]))
+  assert float(expected) == pytest.approx(np.log(2.0) + 0.1)  # Above the band: raised.
+  # A stateless objective's state stays empty.
+  assert train_step.advance_objective_state({}, inner, objective="grpo",
+                                            hparams=objectives.grpo.GRPOHparams()) == {}
+
+
+def test_init_state_and_update_state_come_together():
+  with pytest.raises(TypeError, match="come together"):
+    objectives.register_objective("half_state", estimator={}, init_state=lambda p: {})(
+        lambda inputs, hparams, group_size: (0.0, {}))
+  assert "half_state" not in objectives.objective_names()
