@@ -459,15 +459,23 @@ def test_the_adaptive_clip_state_moves_inside_jit_as_its_controller_says():
             "per_sample/weight": jnp.ones(4)}]
   for hparams, moved in ((adaptive, True), (sdrl.StableDRLHparams(), False)):
     advance = jax.jit(functools.partial(train_step.advance_objective_state,
-                                        objective="stabledrl", hparams=hparams))
+                                        run=_run("stabledrl", hparams)))
     new = advance(state, inner)
     expected = sdrl.adapt_log_clip(state["log_clip_hi"], 0.1875 + 0.03125)
     assert float(new["log_clip_hi"]) == (float(expected) if moved else float(state[
         "log_clip_hi"]))
   assert float(expected) == pytest.approx(np.log(2.0) + 0.1)  # Above the band: raised.
   # A stateless objective's state stays empty.
-  assert train_step.advance_objective_state({}, inner, objective="grpo",
-                                            hparams=objectives.grpo.GRPOHparams()) == {}
+  assert train_step.advance_objective_state(
+      {}, inner, run=_run("grpo", objectives.grpo.GRPOHparams())) == {}
+
+
+def _run(objective, hparams):
+  from stabledrl_jax.training import rl_loss, run_spec
+  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
+                                token_level=False, eubo_beta=None, mask_id=0)
+  return run_spec.RunSpec(objective=objective, hparams=hparams, likelihood=spec, group_size=2,
+                          gen_length=4)
 
 
 def test_init_state_and_update_state_come_together():

@@ -1,6 +1,7 @@
 """The trainer on a block diffusion model (SDAR): config checks, every objective, the stress
 test, the supervised start, evaluation and resuming."""
 
+import dataclasses
 import functools
 import shutil
 
@@ -133,18 +134,16 @@ def test_every_objective_updates_an_sdar_model(objective, extra):
   spec = specs.likelihood_spec(config, model_config)
   assert spec.block_size == 4
   batch = _sdar_batch(model_config)
+  run = dataclasses.replace(specs.resolve_run(config, model_config), group_size=4,
+                            num_microbatches=2)
   old = jax.jit(functools.partial(
-      train_step.estimate_no_grad, graphdef=graphdef, spec=spec, group_size=4,
-      num_microbatches=2, stress_mode="hard"))(params, batch, jax.random.key(1))
+      train_step.estimate_no_grad, graphdef=graphdef, run=run, stress_mode="hard"))(
+          params, batch, jax.random.key(1))
   assert old.shape == (batch.tokens.shape if spec.token_level else batch.tokens.shape[:1])
   assert np.all(np.isfinite(old))
   tx = optax.adam(1e-3)  # No weight decay: only a gradient moves a parameter.
   state = train_step.create_train_state(params, tx, seed=0)
-  update = jax.jit(functools.partial(
-      train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective=objective,
-      hparams=specs.objective_params(config), group_size=4,
-      gen_length=config.rollout.gen_length, num_microbatches=2,
-      use_reference=specs.uses_reference(config)))
+  update = jax.jit(functools.partial(train_step.update_step, graphdef=graphdef, tx=tx, run=run))
   new_state, metrics = update(state, batch.replace(old_logp=old, ref_logp=old - 0.1),
                               jax.random.key(2))
   assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0

@@ -24,7 +24,7 @@ from flax import nnx
 from stabledrl_jax import estimators, models, objectives, sampling
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
 from stabledrl_jax.training import specs
-from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss
+from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss, run_spec
 from stabledrl_jax.training import sweep, train_step, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -32,6 +32,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # StableDRL scoring its plain ELBO estimate (no EUBO pass), as the toy updates below do.
 _ELBO_STABLEDRL = objectives.stabledrl.StableDRLHparams(surrogate="elbo")
+
+
+def _toy_run(spec, **fields):
+  """The run spec of the toy updates: StableDRL on its ELBO, groups of 2, 6 generated tokens."""
+  return run_spec.RunSpec(**{"objective": "stabledrl", "hparams": _ELBO_STABLEDRL,
+                             "likelihood": spec, "group_size": 2, "gen_length": 6, **fields})
 
 def load_config(name="quickstart"):
   return config_lib.from_file(REPO / "configs" / f"{name}.py")
@@ -198,6 +204,27 @@ def test_every_shipped_config_validates():
     specs.validate(config_lib.get(name))
 
 
+def test_the_run_spec_is_resolved_once_and_is_a_static_value():
+  """``specs.resolve_run``: the objective, its hyperparameters and the likelihood spec of the
+  config, in a frozen, hashable record (jit compiles once per distinct value)."""
+  config = config_lib.get("llada8b_gsm8k")
+  model_config = specs.model_config(config)
+  run = specs.resolve_run(config, model_config)
+  assert run == specs.resolve_run(config, model_config)
+  assert hash(run) == hash(specs.resolve_run(config, model_config))
+  assert (run.objective, run.hparams.max_ratio, run.likelihood.method) == (
+      "stabledrl", 5.0, "block_random")
+  assert run.needs_old and not run.coupled_ratio and not run.uses_reference
+  assert run.num_microbatches == config.rollout.num_prompts  # The paper's one group each.
+  assert run.initial_state().keys() == {"log_clip_hi"}
+  other = config.copy_and_resolve_references()
+  other.objective.stabledrl.max_ratio = 2.0
+  assert specs.resolve_run(other, model_config) != run
+  grpo = sweep.with_overrides(config, {"objective.name": "grpo"})
+  assert specs.resolve_run(grpo, model_config).coupled_ratio  # d1's.
+  assert specs.resolve_run(grpo, model_config).uses_reference
+
+
 # ---------------------------------------------------------------------------
 # The update step.
 # ---------------------------------------------------------------------------
@@ -220,9 +247,8 @@ def _toy_update(advantages, tx=None):
   spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
                                 token_level=False, eubo_beta=None, mask_id=15)
   new_state, metrics = train_step.update_step(
-      state, batch, jax.random.key(2), graphdef=graphdef, tx=tx, spec=spec,
-      objective="stabledrl", hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6,
-      num_microbatches=2, use_reference=False)
+      state, batch, jax.random.key(2), graphdef=graphdef, tx=tx,
+      run=_toy_run(spec, num_microbatches=2))
   return state, new_state, metrics
 
 
@@ -253,16 +279,15 @@ def test_coupled_ratio_is_exactly_one_before_any_update():
   spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
                                 token_level=False, eubo_beta=None, mask_id=15)
   key = jax.random.key(3)
-  old = train_step.estimate_no_grad(params, batch, key, graphdef=graphdef, spec=spec,
-                                    group_size=2, num_microbatches=2)
+  run = _toy_run(spec, num_microbatches=2)
+  old = train_step.estimate_no_grad(params, batch, key, graphdef=graphdef, run=run)
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch.replace(old_logp=old), key,
-      graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6, num_microbatches=2, use_reference=False)
+      graphdef=graphdef, tx=tx, run=run)
   assert abs(float(metrics["log_ratio/max"])) < 1e-6
   assert abs(float(metrics["log_ratio/min"])) < 1e-6
   other = train_step.estimate_no_grad(params, batch, jax.random.key(4), graphdef=graphdef,
-                                      spec=spec, group_size=2, num_microbatches=2)
+                                      run=run)
   assert float(jnp.max(jnp.abs(other - old))) > 1e-3  # independent masks: estimator noise
 
 
@@ -316,9 +341,8 @@ def test_stabledrl_gradient_stays_inside_its_convex_hull_bound(num_microbatches)
   tx = optax.sgd(1e-3)
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
-      graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6,
-      num_microbatches=num_microbatches, use_reference=False, gradient_bound=True)
+      graphdef=graphdef, tx=tx,
+      run=_toy_run(spec, num_microbatches=num_microbatches, gradient_bound=True))
   assert float(metrics["grad_norm"]) > 0
   assert float(metrics["grad_norm"]) <= float(metrics["grad_bound/max"]) * (1 + 1e-5)
   np.testing.assert_allclose(metrics["grad_norm_over_bound/max"],
@@ -333,9 +357,7 @@ def test_zero_advantages_give_a_zero_bound_ratio_not_nan():
   tx = optax.sgd(1e-3)
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
-      graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=_ELBO_STABLEDRL, group_size=2, gen_length=6, num_microbatches=1,
-      use_reference=False, gradient_bound=True)
+      graphdef=graphdef, tx=tx, run=_toy_run(spec, gradient_bound=True))
   assert float(metrics["grad_bound/max"]) == 0 and float(metrics["grad_norm"]) == 0
   assert float(metrics["grad_norm_over_bound/max"]) == 0
 
@@ -755,12 +777,10 @@ def test_float32_master_weights_keep_paper_size_updates(param_dtype, min_changed
       attention_mask=jnp.ones((n, length), bool),
       advantages=jnp.tile(jnp.array([1.0, -1.0]), n // 2), old_logp=jnp.zeros(n),
       ref_logp=jnp.zeros(n))
-  spec = specs.likelihood_spec(config, model.config)
   new_state, metrics = jax.jit(functools.partial(
-      train_step.update_step, graphdef=graphdef, tx=tx, spec=spec, objective="stabledrl",
-      hparams=specs.objective_params(config), group_size=config.rollout.group_size,
-      gen_length=config.rollout.gen_length, num_microbatches=1,
-      use_reference=False))(state, batch, jax.random.key(2))
+      train_step.update_step, graphdef=graphdef, tx=tx,
+      run=dataclasses.replace(specs.resolve_run(config, model.config), num_microbatches=1,
+                              uses_reference=False)))(state, batch, jax.random.key(2))
   assert int(metrics["skipped"]) == 0
   changed = sum(int(jnp.sum(a != b)) for a, b in zip(jax.tree.leaves(new_state.params),
                                                     jax.tree.leaves(params)))

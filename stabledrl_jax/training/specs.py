@@ -21,7 +21,7 @@ import ml_collections
 from stabledrl_jax import hub, objectives, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
-from stabledrl_jax.training import data, rl_loss
+from stabledrl_jax.training import data, rl_loss, run_spec
 
 # Estimator fields that, left unset (None or ''), take the objective's official value
 # (``objectives.Objective.estimator``); ``block_length`` falls back to this.
@@ -446,3 +446,17 @@ def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any) -> rl_
       stress_rates=stress_rates, family=family.name, block_size=block_size,
       # Completions fill the last gen_length positions of every rollout row.
       scored_suffix=config.rollout.gen_length if block_size is None else None)
+
+
+def resolve_run(config: ml_collections.ConfigDict, model_config: Any) -> run_spec.RunSpec:
+  """The run spec of a (validated) ``config`` for a model of ``model_config``: everything the
+  update and the scoring take from the config, derived once."""
+  return run_spec.RunSpec(
+      objective=config.objective.name, hparams=objective_params(config),
+      likelihood=likelihood_spec(config, model_config),
+      group_size=config.rollout.group_size, gen_length=config.rollout.gen_length,
+      num_microbatches=num_microbatches(config),
+      coupled_ratio=bool(estimator_settings(config)["coupled_ratio"]),
+      uses_reference=uses_reference(config), baseline=advantage_baseline(config),
+      scale_advantages_by_std=bool(config.objective.scale_advantages_by_std),
+      gradient_bound=bool(config.train.gradient_bound))

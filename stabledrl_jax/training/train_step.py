@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from stabledrl_jax import objectives
-from stabledrl_jax.training import rl_loss
+from stabledrl_jax.training import rl_loss, run_spec
 
 Array = jax.Array
 
@@ -151,18 +150,17 @@ def reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
 
 
 def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
-                tx: optax.GradientTransformation, spec: rl_loss.LikelihoodSpec, objective: str,
-                hparams: Any, group_size: int, gen_length: int, num_microbatches: int,
-                use_reference: bool, gradient_bound: bool = False,
+                tx: optax.GradientTransformation, run: run_spec.RunSpec,
                 microbatch_sharding: jax.sharding.NamedSharding | None = None
                 ) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer update on a rollout batch with fresh estimator masks from ``key``.
 
-  ``objective`` names the registered objective, ``hparams`` its hyperparameters (a frozen
-  dataclass: the update compiles for its values). ``gradient_bound`` (StableDRL only) also logs
-  ``grad_bound/max``, max_j |A_j| ||grad s_j||, and ``grad_norm_over_bound/max``, which the
-  convex-hull property keeps <= 1 (and ``per_sample/grad_norm``, ||grad s_j||).
-  ``microbatch_sharding``: see ``microbatch_sharding()``.
+  ``run`` says everything static: the objective and its hyperparameters, the likelihood spec,
+  the group size, the microbatches (the update compiles for its values). With
+  ``run.gradient_bound`` (StableDRL only) it also logs ``grad_bound/max``, max_j |A_j|
+  ||grad s_j||, and ``grad_norm_over_bound/max``, which the convex-hull property keeps <= 1
+  (and ``per_sample/grad_norm``, ||grad s_j||). ``microbatch_sharding``: see
+  ``microbatch_sharding()``.
 
   Returns:
     (new state, metrics): scalars, and ``per_sample/<name>`` [N] arrays in the batch's order
@@ -172,11 +170,13 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   def logits_fn_of(params, attention_mask):
     return rl_loss.model_logits_fn(nnx.merge(graphdef, params), attention_mask)
 
+  spec, num_microbatches, group_size = run.likelihood, run.num_microbatches, run.group_size
+
   def loss_fn(params, micro, micro_key):
     return rl_loss.objective_loss(logits_fn_of(params, micro.attention_mask), micro, micro_key,
-                                  spec=spec, objective=objective, hparams=hparams,
-                                  group_size=group_size, gen_length=gen_length,
-                                  use_reference=use_reference,
+                                  spec=spec, objective=run.objective, hparams=run.hparams,
+                                  group_size=group_size, gen_length=run.gen_length,
+                                  use_reference=run.uses_reference,
                                   objective_state=state.objective_state)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -187,11 +187,10 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   def accumulate(grads, inputs, params):
     mb, mb_key = inputs
     (_, metrics), mb_grads = grad_fn(params, mb, mb_key)
-    if gradient_bound:
-      registered = objectives.get_objective(objective)
+    if run.gradient_bound:
       norms = rl_loss.surrogate_gradient_norms(
           logits_fn_of, params, mb, mb_key, spec=spec,
-          surrogate=lambda inputs: registered.surrogate(inputs, hparams))
+          surrogate=lambda inputs: run.registered.surrogate(inputs, run.hparams))
       metrics["grad_bound/max"] = jnp.max(jnp.abs(mb.advantages) * norms)
       metrics[PER_SAMPLE + "grad_norm"] = norms
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
@@ -215,7 +214,7 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     metrics["log10_ratio/max"] = metrics["log_ratio/max"] / math.log(10.0)
 
   grad_norm = optax.tree.norm(grads)
-  if gradient_bound:  # The mean of the microbatch gradients is bounded by their largest bound.
+  if run.gradient_bound:  # The mean of the microbatch gradients is bounded by their largest.
     bound = metrics["grad_bound/max"]
     # A zero bound (all advantages 0) allows only a zero gradient: 0 / 0 counts as 0, not NaN.
     metrics["grad_norm_over_bound/max"] = jnp.where(
@@ -248,16 +247,16 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
 
 
 def advance_objective_state(objective_state: Any, inner_metrics: list[dict[str, Array]], *,
-                            objective: str, hparams: Any) -> Any:
+                            run: run_spec.RunSpec) -> Any:
   """The objective's state for the next RL step (``Objective.update_state``), from the metrics
   of this step's updates (``update_step``'s, one dict per update; reduced like the step's log).
   Pure: jitted by the trainer, so the state never leaves the devices."""
-  registered = objectives.get_objective(objective)
+  registered = run.registered
   if registered.update_state is None:
     return objective_state
   scalars = [{k: v for k, v in m.items() if not k.startswith(PER_SAMPLE)} for m in inner_metrics]
   metrics = reduce_metrics(jax.tree.map(lambda *xs: jnp.stack(xs), *scalars))
-  return registered.update_state(objective_state, metrics, hparams)
+  return registered.update_state(objective_state, metrics, run.hparams)
 
 
 def _all_finite(tree: Any) -> Array:
@@ -292,14 +291,14 @@ def make_update_fn(graphdef: Any, tx: optax.GradientTransformation, *,
 
 
 def estimate_no_grad(params: Any, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
-                     spec: rl_loss.LikelihoodSpec, group_size: int, num_microbatches: int,
-                     stress_mode: str | None = None,
+                     run: run_spec.RunSpec, stress_mode: str | None = None,
                      microbatch_sharding: jax.sharding.NamedSharding | None = None) -> Array:
   """l_old (stress test: ``stress_mode='hard'``) or l_ref: estimates under fixed parameters.
 
   Runs over the same microbatches with the same keys as ``update_step``, so that the same
   ``key`` gives the same masks (the coupled ratio), and so that memory stays per microbatch.
   """
+  spec, num_microbatches, group_size = run.likelihood, run.num_microbatches, run.group_size
   micro = _constrain(_split_microbatches(batch, num_microbatches, group_size),
                      microbatch_sharding)
   keys = jax.random.split(key, num_microbatches)

@@ -56,7 +56,7 @@ from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_l
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost
 from stabledrl_jax.training import optimizer as optimizer_lib
-from stabledrl_jax.training import reward_pool, rl_loss, spikes, supervised, train_step
+from stabledrl_jax.training import reward_pool, rl_loss, run_spec, spikes, supervised, train_step
 
 SFT_DIR = "sft_model"
 # A stopped supervised start's parameters, optimizer state and step (orbax), until it finishes.
@@ -258,18 +258,12 @@ def _copy_files(source: epath.Path, target: epath.Path) -> None:
     (target / file.name).write_bytes(file.read_bytes())
 
 
-def make_update(config: ml_collections.ConfigDict, graphdef: Any, tx, state_shardings: Any,
-                mesh, spec: rl_loss.LikelihoodSpec):
-  """The jitted update of ``config`` (``train_step.make_update_fn``), state donated and pinned."""
+def make_update(run: run_spec.RunSpec, graphdef: Any, tx, state_shardings: Any, mesh):
+  """The jitted update of ``run`` (``train_step.make_update_fn``), state donated and pinned."""
   return train_step.make_update_fn(
       graphdef, tx, state_shardings=state_shardings,
       batch_shardings=models.batch_sharding(mesh, ndim=1),
-      replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec=spec,
-      objective=config.objective.name, hparams=specs.objective_params(config),
-      group_size=config.rollout.group_size, gen_length=config.rollout.gen_length,
-      num_microbatches=specs.num_microbatches(config),
-      use_reference=specs.uses_reference(config),
-      gradient_bound=config.train.gradient_bound)
+      replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), run=run)
 
 
 def abstract_update(config: ml_collections.ConfigDict, devices=None):
@@ -292,14 +286,14 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   tx = optimizer_lib.make_optimizer(config.optimizer,
                                     config.train.num_steps * config.train.num_iterations)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  objective_state = objectives.get_objective(config.objective.name).initial_state(
-      specs.objective_params(config))
+  run = specs.resolve_run(config, model_cfg)
+  objective_state = run.initial_state()
   shardings = train_step.state_shardings(tx, params, jax.tree.map(lambda p: p.sharding, params),
                                          replicated, objective_state)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(lambda p: train_step.create_train_state(
                            p, tx, config.seed, objective_state), params), shardings)
-  spec = specs.likelihood_spec(config, model_cfg)
+  spec = run.likelihood
   r = config.rollout
   n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
   rows = models.batch_sharding(mesh, ndim=1)
@@ -313,7 +307,7 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
       stressed=array((n,), bool) if config.estimator.stress.fraction > 0 else None)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-  update = make_update(config, graphdef, tx, shardings, mesh, spec)
+  update = make_update(run, graphdef, tx, shardings, mesh)
   return update, state, batch, key
 
 
@@ -443,19 +437,18 @@ class Trainer:
     self.model_config = model.config
     self.graphdef, params = nnx.split(model, nnx.Param)
     # The reference for KL terms is the start of RL, frozen.
-    self.ref_params = params if specs.uses_reference(config) else None
+    self.run = specs.resolve_run(config, self.model_config)
+    self.ref_params = params if self.run.uses_reference else None
     self.start_params = params if config.diagnostics.get("kl_to_start", False) else None
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
-    self.objective = objectives.get_objective(config.objective.name)
-    self.objective_params = specs.objective_params(config)
     self.state_shardings = train_step.state_shardings(
         self.tx, params, jax.tree.map(lambda p: p.sharding, params),
         jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
-        objective_state=self.objective.initial_state(self.objective_params))
+        objective_state=self.run.initial_state())
     state = jax.jit(lambda p: train_step.create_train_state(
-        p, self.tx, config.seed, self.objective.initial_state(self.objective_params)),
+        p, self.tx, config.seed, self.run.initial_state()),
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
@@ -467,30 +460,15 @@ class Trainer:
       with checkpointing.writing(self.workdir / "config.json"):
         (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
-    self.spec = specs.likelihood_spec(config, self.model_config)
-    self.spec_settings = specs.estimator_settings(config)
-    self.needs_old = "old_logp" in self.objective.requires
+    self.spec = self.run.likelihood
     self.advance_objective_state = jax.jit(
-        functools.partial(train_step.advance_objective_state, objective=self.objective.name,
-                          hparams=self.objective_params),
+        functools.partial(train_step.advance_objective_state, run=self.run),
         out_shardings=self.state_shardings.objective_state)
-    self.update = make_update(config, self.graphdef, self.tx, self.state_shardings, self.mesh,
-                              self.spec)
-    self.estimate_no_grad = jax.jit(train_step.traced_under(
-        self.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
-            params, batch, key, graphdef=self.graphdef, spec=self.spec,
-            group_size=config.rollout.group_size,
-            num_microbatches=specs.num_microbatches(config), stress_mode=stress_mode,
-            microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
-        static_argnames="stress_mode")
+    self.update = make_update(self.run, self.graphdef, self.tx, self.state_shardings, self.mesh)
+    self.estimate_no_grad = self._scoring(self.run)
     # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
-    self.estimate_sequence = None if self.start_params is None else jax.jit(
-        train_step.traced_under(self.mesh, lambda params, batch, key: train_step.estimate_no_grad(
-            params, batch, key, graphdef=self.graphdef,
-            spec=dataclasses.replace(self.spec, normalize="sum"),
-            group_size=config.rollout.group_size,
-            num_microbatches=specs.num_microbatches(config),
-            microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))))
+    self.estimate_sequence = None if self.start_params is None else self._scoring(
+        dataclasses.replace(self.run, likelihood=dataclasses.replace(self.spec, normalize="sum")))
     self.writer = (metrics_writer.MetricsWriter(
         self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
         config=json.loads(config.to_json_best_effort())) if self.primary else None)
@@ -502,6 +480,14 @@ class Trainer:
     self.samples = []  # This step's sample rollouts, for the writer.
     dg = config.diagnostics
     self.spikes = spikes.SpikeDetector(dg.spike_factor, dg.spike_window, dg.spike_min_history)
+
+  def _scoring(self, run: run_spec.RunSpec):
+    """jit(``train_step.estimate_no_grad``) of ``run``: (params, batch, key, stress_mode=None)."""
+    return jax.jit(train_step.traced_under(
+        self.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
+            params, batch, key, graphdef=self.graphdef, run=run, stress_mode=stress_mode,
+            microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
+        static_argnames="stress_mode")
 
   def _restore(self, state: train_step.TrainState) -> tuple[train_step.TrainState, dict]:
     """The newest checkpoint that restores whole and finite, after checking that it is this
@@ -661,8 +647,7 @@ class Trainer:
     # Groups never span processes: the advantages of this process's rows are its own.
     advantages = np.asarray(objectives.group_advantages(
         jnp.asarray(rewards), r.group_size,
-        scale_by_std=config.objective.scale_advantages_by_std,
-        baseline=specs.advantage_baseline(config)))
+        scale_by_std=self.run.scale_advantages_by_std, baseline=self.run.baseline))
     stressed = None
     if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(
@@ -683,10 +668,10 @@ class Trainer:
     # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
     # Independent (StableDRL): once, on masks of their own, so that at the first iteration the
     # ratio is pure estimator noise.
-    coupled = self.spec_settings["coupled_ratio"]
+    coupled = self.run.coupled_ratio
     keys, repeat = (list(inner_keys), 1) if coupled else ([key_old], len(inner_keys))
     old = ref = None
-    if self.needs_old:
+    if self.run.needs_old:
       old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
     if self.ref_params is not None:
       ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
