@@ -263,6 +263,22 @@ def test_the_recorder_keeps_the_stress_tests_grpo_spikes(tmp_path):
   assert all(path.with_suffix(".png").exists() for path in files)
 
 
+def _rewrite_checkpoint(workdir, step, edit):
+  """Checkpoint ``step`` of ``workdir`` saved again with its state dict changed by ``edit``
+  (an older version's layout)."""
+  import orbax.checkpoint as ocp
+  ckpt = checkpointing.Checkpointer(workdir)
+  path = os.path.join(ckpt.directory, str(step))
+  state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
+  meta = ckpt.restore_meta(step)
+  edit(state)
+  shutil.rmtree(path)
+  ckpt.close()
+  ckpt = checkpointing.Checkpointer(workdir)
+  ckpt.save(step, state, meta)
+  ckpt.close()
+
+
 @pytest.mark.parametrize("layout", ["no_bound", "top_level_bound"])
 def test_a_checkpoint_from_before_the_objective_state_resumes(tmp_path, sft_start, layout):
   """States saved by earlier versions restore: without any bound (before the adaptive clip) the
@@ -270,20 +286,14 @@ def test_a_checkpoint_from_before_the_objective_state_resumes(tmp_path, sft_star
   ``log_clip_hi`` (before ``TrainState.objective_state``) it carries over. Training continues."""
   workdir = workdir_with_start(tmp_path / "run", sft_start)
   trainer.train(tiny_config(**{"train.num_steps": 2}), str(workdir))
-  ckpt = checkpointing.Checkpointer(workdir)
-  import orbax.checkpoint as ocp
-  path = os.path.join(ckpt.directory, "2")
-  state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
-  meta = ckpt.restore_meta(2)
-  assert float(state["objective_state"]["log_clip_hi"]) == pytest.approx(math.log(5.0))
-  del state["objective_state"]
-  if layout == "top_level_bound":
-    state["log_clip_hi"] = np.float32(math.log(3.0))
-  shutil.rmtree(path)
-  ckpt.close()
-  ckpt = checkpointing.Checkpointer(workdir)
-  ckpt.save(2, state, meta)
-  ckpt.close()
+
+  def old_layout(state):
+    assert float(state["objective_state"]["log_clip_hi"]) == pytest.approx(math.log(5.0))
+    del state["objective_state"]
+    if layout == "top_level_bound":
+      state["log_clip_hi"] = np.float32(math.log(3.0))
+
+  _rewrite_checkpoint(workdir, 2, old_layout)
   history = trainer.train(tiny_config(**{"train.num_steps": 3}), str(workdir))
   assert [r["step"] for r in history] == [3]
   expected = math.log(3.0) if layout == "top_level_bound" else math.log(5.0)
@@ -303,19 +313,12 @@ def test_a_stateless_objective_resumes_a_checkpoint_with_the_old_top_level_bound
   overrides = {"train.num_steps": 2, "objective.name": "wd1"}
   workdir = workdir_with_start(tmp_path / "run", sft_start)
   trainer.train(tiny_config(**overrides), str(workdir))
-  ckpt = checkpointing.Checkpointer(workdir)
-  import orbax.checkpoint as ocp
-  path = os.path.join(ckpt.directory, "2")
-  state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
-  meta = ckpt.restore_meta(2)
-  assert "objective_state" not in state or not state["objective_state"]
-  state.pop("objective_state", None)
-  state["log_clip_hi"] = np.float32(math.log(5.0))
-  shutil.rmtree(path)
-  ckpt.close()
-  ckpt = checkpointing.Checkpointer(workdir)
-  ckpt.save(2, state, meta)
-  ckpt.close()
+
+  def old_layout(state):
+    assert not state.pop("objective_state", None)
+    state["log_clip_hi"] = np.float32(math.log(5.0))
+
+  _rewrite_checkpoint(workdir, 2, old_layout)
   overrides["train.num_steps"] = 3
   assert [r["step"] for r in trainer.train(tiny_config(**overrides), str(workdir))] == [3]
   resumed = trainer.Trainer(tiny_config(**overrides), str(workdir))
