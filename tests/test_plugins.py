@@ -67,6 +67,12 @@ def test_an_estimator_registered_in_a_test_file_trains(tmp_path, every_other):
   assert spec.method == every_other and spec.options == ()
   history = trainer.train(config, str(tmp_path))
   assert len(history) == 1 and np.isfinite(history[0]["loss"])
+  # Its own option is a field a config file adds; the likelihood spec passes it to the sampler.
+  with_option = config.copy_and_resolve_references()
+  with_option.estimator.offset = 1
+  specs.validate(with_option)
+  spec = specs.likelihood_spec(with_option, specs.model_config(with_option))
+  assert spec.options == (("offset", 1),)
   # An option the method does not take is named, not silently ignored.
   config.estimator.schedule = "count"
   with pytest.raises(ValueError, match=r"config\.estimator\.schedule: the 'every_other'"):

@@ -10,6 +10,7 @@ config, and the check that names a bad field before anything compiles, are in
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import os
@@ -83,27 +84,15 @@ def base_config() -> ml_collections.ConfigDict:
       microbatch_groups=0))
 
   # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/objectives/),
-  # defaulting to its official code's (docs/algorithms.md lists them with their sources). The
-  # sections below only name the fields so that --config.objective.<name>.<field>=value works;
-  # a field left unset (None) keeps the default. An objective registered elsewhere needs no
+  # defaulting to its official code's (docs/algorithms.md lists them with their sources). Its
+  # section config.objective.<name> is generated from that dataclass (``objective_sections``),
+  # one unset placeholder a field, so that --config.objective.<name>.<field>=value works; a
+  # field left unset (None) keeps the default. An objective registered elsewhere needs no
   # section here (add one to your config file to override its fields).
   # advantage_baseline: '' = the objective's own (group_mean, or ESPO's leave_one_out).
-  # A fresh placeholder per field (one shared reference would tie the fields together).
-  f, s = (lambda: config_dict.placeholder(float)), (lambda: config_dict.placeholder(str))
   c.objective = ml_collections.ConfigDict(dict(
-      name="stabledrl",
-      scale_advantages_by_std=False,
-      advantage_baseline="",
-      stabledrl=ml_collections.ConfigDict(dict(
-          min_ratio=f(), max_ratio=f(), normalize_over=s(), surrogate=s(), omega=f(),
-          eubo_beta=f(), clip_mode=s(), clip_target_low=f(), clip_target_high=f(),
-          clip_step=f())),
-      grpo=ml_collections.ConfigDict(dict(
-          level=s(), epsilon_low=f(), epsilon_high=f(), beta=f(), kl_estimator=s())),
-      espo=ml_collections.ConfigDict(dict(epsilon=f(), beta=f())),
-      spg=ml_collections.ConfigDict(dict(surrogate=s(), omega=f(), eubo_beta=f())),
-      wd1=ml_collections.ConfigDict(),
-  ))
+      name="stabledrl", scale_advantages_by_std=False, advantage_baseline="",
+      **objective_sections()))
   # Every field left unset (None, or '') takes the value of the objective's official code
   # (``estimator_settings``): method (one the model family takes: estimators.methods() for
   # LLaDA), num_samples (K), normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's
@@ -169,6 +158,48 @@ def base_config() -> ml_collections.ConfigDict:
       num_steps=0, batch_size=64, learning_rate=1e-3,
       demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
   return c
+
+
+_PLACEHOLDER_TYPES = {"float": float, "int": int, "str": str, "bool": bool}
+
+
+def objective_sections() -> dict[str, ml_collections.ConfigDict]:
+  """{objective name: its config section} for every objective module of
+  ``stabledrl_jax/objectives/``: one unset placeholder per field of the hyperparameter dataclass
+  its ``register_objective(name, hparams=...)`` names, typed by the field's annotation.
+
+  Read from the modules' source (``ast``), not imported, so that loading a config loads no JAX;
+  the dataclass stays the only place a field is listed (tests/test_validation.py holds the
+  sections to the registered dataclasses).
+  """
+  trees = [ast.parse(path.read_text(), str(path))
+           for path in sorted(_package_dir("objectives").glob("*.py"))]
+  classes = {node.name: node for tree in trees for node in ast.walk(tree)
+             if isinstance(node, ast.ClassDef)}
+  sections = {}
+  for tree in trees:
+    for call in ast.walk(tree):
+      if not (isinstance(call, ast.Call) and _called_name(call.func) == "register_objective"
+              and call.args and isinstance(call.args[0], ast.Constant)):
+        continue
+      hparams = next((kw.value for kw in call.keywords if kw.arg == "hparams"), None)
+      fields = {}
+      if hparams is not None:
+        for item in classes[_called_name(hparams)].body:
+          if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            kind = _PLACEHOLDER_TYPES[ast.unparse(item.annotation)]
+            fields[item.target.id] = config_dict.placeholder(kind)
+      sections[call.args[0].value] = ml_collections.ConfigDict(fields)
+  return sections
+
+
+def _called_name(node: ast.AST) -> str:
+  """``f`` of ``f``, ``a.f`` or ``a.b.f``."""
+  return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _package_dir(name: str) -> pathlib.Path:
+  return pathlib.Path(__file__).resolve().parents[1] / name
 
 
 def config_names() -> tuple[str, ...]:

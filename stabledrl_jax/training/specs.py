@@ -23,10 +23,11 @@ from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
 from stabledrl_jax.training import data, rl_loss, run_spec
 
-# Estimator fields that, left unset (None or ''), take the objective's official value
-# (``objectives.Objective.estimator``); ``block_length`` falls back to this.
-_ESTIMATOR_FIELDS = ("method", "num_samples", "normalize", "coupled_ratio", "block_length",
-                     "prompt_mask_prob", "schedule", "coupled")
+# Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
+# takes the objective's official value (``objectives.Objective.estimator``). A plugin method's
+# options are fields a config file adds (``c.estimator.my_option = ...``). ``block_length``
+# falls back to this.
+_NOT_ESTIMATOR_SETTINGS = ("stress",)
 _DEFAULT_BLOCK_LENGTH = 32
 # The estimator settings that belong to the objective whatever the method (the rest are options
 # of the official method's mask sampler).
@@ -169,11 +170,15 @@ def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     # Another method than the official one: its options keep their own defaults.
     official = {k: v for k, v in official.items() if k in _OBJECTIVE_ESTIMATOR_FIELDS}
   settings.update(official)
-  for field in _ESTIMATOR_FIELDS:
+  for field in _estimator_fields(config):
     value = config.estimator.get(field)
     if value is not None and value != "":
       settings[field] = value
   return settings
+
+
+def _estimator_fields(config: ml_collections.ConfigDict) -> list[str]:
+  return [field for field in config.estimator if field not in _NOT_ESTIMATOR_SETTINGS]
 
 
 def estimator_method(config: ml_collections.ConfigDict) -> str:
@@ -402,7 +407,7 @@ def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Fa
   _require(settings["block_length"] >= 1, "estimator.block_length", "must be >= 1")
   # A set option that the method does not take would be silently ignored.
   taken = likelihood.options(method)
-  for field in _ESTIMATOR_FIELDS:
+  for field in _estimator_fields(config):
     value = config.estimator.get(field)
     if field in _OBJECTIVE_ESTIMATOR_FIELDS or field == "method":
       continue

@@ -437,8 +437,8 @@ class Trainer:
     self.model_config = model.config
     self.graphdef, params = nnx.split(model, nnx.Param)
     # The reference for KL terms is the start of RL, frozen.
-    self.run = specs.resolve_run(config, self.model_config)
-    self.ref_params = params if self.run.uses_reference else None
+    self.run_spec = specs.resolve_run(config, self.model_config)
+    self.ref_params = params if self.run_spec.uses_reference else None
     self.start_params = params if config.diagnostics.get("kl_to_start", False) else None
 
     num_updates = config.train.num_steps * config.train.num_iterations
@@ -446,9 +446,9 @@ class Trainer:
     self.state_shardings = train_step.state_shardings(
         self.tx, params, jax.tree.map(lambda p: p.sharding, params),
         jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
-        objective_state=self.run.initial_state())
+        objective_state=self.run_spec.initial_state())
     state = jax.jit(lambda p: train_step.create_train_state(
-        p, self.tx, config.seed, self.run.initial_state()),
+        p, self.tx, config.seed, self.run_spec.initial_state()),
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
@@ -460,15 +460,17 @@ class Trainer:
       with checkpointing.writing(self.workdir / "config.json"):
         (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
-    self.spec = self.run.likelihood
+    self.spec = self.run_spec.likelihood
     self.advance_objective_state = jax.jit(
-        functools.partial(train_step.advance_objective_state, run=self.run),
+        functools.partial(train_step.advance_objective_state, run=self.run_spec),
         out_shardings=self.state_shardings.objective_state)
-    self.update = make_update(self.run, self.graphdef, self.tx, self.state_shardings, self.mesh)
-    self.estimate_no_grad = self._scoring(self.run)
+    self.update = make_update(self.run_spec, self.graphdef, self.tx, self.state_shardings,
+                              self.mesh)
+    self.estimate_no_grad = self._scoring(self.run_spec)
     # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
+    sequence = dataclasses.replace(self.spec, normalize="sum")
     self.estimate_sequence = None if self.start_params is None else self._scoring(
-        dataclasses.replace(self.run, likelihood=dataclasses.replace(self.spec, normalize="sum")))
+        dataclasses.replace(self.run_spec, likelihood=sequence))
     self.writer = (metrics_writer.MetricsWriter(
         self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
         config=json.loads(config.to_json_best_effort())) if self.primary else None)
@@ -647,7 +649,7 @@ class Trainer:
     # Groups never span processes: the advantages of this process's rows are its own.
     advantages = np.asarray(objectives.group_advantages(
         jnp.asarray(rewards), r.group_size,
-        scale_by_std=self.run.scale_advantages_by_std, baseline=self.run.baseline))
+        scale_by_std=self.run_spec.scale_advantages_by_std, baseline=self.run_spec.baseline))
     stressed = None
     if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(
@@ -668,10 +670,10 @@ class Trainer:
     # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
     # Independent (StableDRL): once, on masks of their own, so that at the first iteration the
     # ratio is pure estimator noise.
-    coupled = self.run.coupled_ratio
+    coupled = self.run_spec.coupled_ratio
     keys, repeat = (list(inner_keys), 1) if coupled else ([key_old], len(inner_keys))
     old = ref = None
-    if self.run.needs_old:
+    if self.run_spec.needs_old:
       old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
     if self.ref_params is not None:
       ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
