@@ -182,8 +182,9 @@ def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optimizer.make_optimizer(c.optimizer, c.train.num_steps * c.train.num_iterations)
   state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0))(params)
-  update = trainer.make_update(specs.resolve_run(c, model.config), graphdef, tx,
-                               jax.tree.map(lambda x: x.sharding, state), mesh)
+  run = specs.resolve_run(c, model.config)
+  spec = run.likelihood
+  update = trainer.make_update(run, graphdef, tx, jax.tree.map(lambda x: x.sharding, state), mesh)
   batch = rollout_batch(model.config, w)
   key = jax.random.key(0)
   compiled, memory = _compiled(update, state, batch, key)
