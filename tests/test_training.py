@@ -24,7 +24,7 @@ from flax import nnx
 from stabledrl_jax import estimators, models, objectives, sampling
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
 from stabledrl_jax.training import specs
-from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss, run_spec
+from stabledrl_jax.training import multihost, optimizer as optimizer_lib, rl_loss, rollout, run_spec
 from stabledrl_jax.training import sweep, train_step, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -637,6 +637,31 @@ def test_stress_selection_is_shared_by_numerator_and_denominator():
   # Without stress rates in the spec, the mode changes nothing.
   off = dataclasses.replace(spec, stress_rates=None)
   np.testing.assert_array_equal(rl_loss.estimate(logits_fn, batch, key, off, "easy")[0], plain)
+
+
+def test_rollout_statistics_are_the_rows_columns_and_their_metrics():
+  """One process: ``RolloutStats.gather`` keeps every row; its metrics, re-derived in numpy."""
+  rng = np.random.default_rng(0)
+  rewards = np.array([1.0, 1.0, 0.0, 2.0, 0.5, 0.5])  # Groups of 2: the first and last constant.
+  components = rng.uniform(size=(6, 2))
+  calls, lengths = np.array([4, 4, 5, 6, 7, 8]), np.array([3, 9, 2, 5, 5, 1])
+  truncated = np.array([False, True, False, False, True, True])
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+  split = multihost.row_split(models.batch_sharding(mesh, ndim=1), 6)
+  stats = rollout.RolloutStats.gather(split, rewards=rewards, abs_advantages=np.abs(rewards - 1),
+                                      lengths=lengths, model_calls=calls, truncated=truncated,
+                                      components=components)
+  np.testing.assert_array_equal(stats.components, components.astype(np.float32))
+  got = stats.metrics(["a", "b"], group_size=2)
+  want = {"rewards/mean": rewards.mean(), "rewards/std": rewards.std(),
+          "rewards/a": components[:, 0].mean(), "rewards/b": components[:, 1].mean(),
+          "frac_reward_zero_std": 2 / 3, "advantage/abs_mean": np.abs(rewards - 1).mean(),
+          "completions/mean_length": lengths.mean(), "completions/min_length": 1,
+          "completions/max_length": 9, "completions/clipped_ratio": 0.5,
+          "rollout/model_calls": calls.mean()}
+  assert set(got) == set(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
 
 
 @pytest.mark.slow

@@ -51,12 +51,13 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from stabledrl_jax import estimators, hub, models, objectives, profiling, sampling, tasks
+from stabledrl_jax import hub, models, profiling, tasks
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost
 from stabledrl_jax.training import optimizer as optimizer_lib
-from stabledrl_jax.training import reward_pool, rl_loss, run_spec, spikes, supervised, train_step
+from stabledrl_jax.training import reward_pool, rl_loss, rollout as rollout_lib, run_spec, spikes
+from stabledrl_jax.training import supervised, train_step
 
 SFT_DIR = "sft_model"
 # A stopped supervised start's parameters, optimizer state and step (orbax), until it finishes.
@@ -404,10 +405,7 @@ class Trainer:
     # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
     self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
     r = config.rollout
-    self._splits: dict[int, multihost.RowSplit] = {}
     decoding.check_chunks(r, mesh_lib.data_parallel_size(self.mesh))  # microbatch_groups
-    self.rollout_split = self._split(r.num_prompts * r.group_size)
-    self.my_groups = self.rollout_split.groups(r.group_size)
     self.tokenizer = data.make_tokenizer(config.tokenizer)
     self.task = tasks.get_task(config.task.name)
     self.scorer = reward_pool.RewardScorer(self.task, config.task.reward,
@@ -440,6 +438,9 @@ class Trainer:
     self.run_spec = specs.resolve_run(config, self.model_config)
     self.ref_params = params if self.run_spec.uses_reference else None
     self.start_params = params if config.diagnostics.get("kl_to_start", False) else None
+    self.rollouts = rollout_lib.RolloutCollector(
+        config, self.run_spec, tokenizer=self.tokenizer, task=self.task, scorer=self.scorer,
+        graphdef=self.graphdef, model_config=self.model_config, mesh=self.mesh)
 
     num_updates = config.train.num_steps * config.train.num_iterations
     self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
@@ -553,59 +554,6 @@ class Trainer:
   def _model(self, params) -> nnx.Module:
     return nnx.merge(self.graphdef, params)
 
-  def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
-               temperature: float, steps: int, *, num_rows: int | None = None,
-               **options) -> tuple[np.ndarray, np.ndarray]:
-    """Rollouts: completions [B, P + G] and the model calls each needed [B], of this process's
-    rows.
-
-    ``prompt_tokens`` and ``prompt_mask`` [B, P] are this process's rows (``row_split``) of a
-    batch of ``num_rows`` (default B: one process). ``options`` (remasking, threshold) override
-    ``config.rollout``'s.
-    """
-    settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=temperature,
-                                            steps=steps, **options)
-    split = self._split(len(prompt_tokens) if num_rows is None else num_rows)
-    chunk_rows = decoding.chunk_rows_of(self.config.rollout)  # rollout.microbatch_groups
-    if split.num_rows % max(chunk_rows, 1):  # Not a rollout batch: one sampler call.
-      chunk_rows = 0
-    return decoding.generate_rows(self._model(params), prompt_tokens, prompt_mask, key,
-                                  settings, mesh=self.mesh, split=split, chunk_rows=chunk_rows)
-
-  def _split(self, num_rows: int) -> multihost.RowSplit:
-    """This process's rows of a batch of ``num_rows`` (cached: one collective per size)."""
-    if num_rows not in self._splits:
-      self._splits[num_rows] = multihost.row_split(self.batch_sharding, num_rows)
-    return self._splits[num_rows]
-
-  def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
-    """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""
-    return np.asarray(sampling.completion_mask(tokens, self.config.rollout.prompt_length,
-                                               models.family.stop_ids(self.model_config)))
-
-  def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, completion: np.ndarray,
-                 advantages: np.ndarray, stressed: np.ndarray | None = None, *,
-                 num_rows: int | None = None) -> rl_loss.RolloutBatch:
-    """Global arrays of the rollouts, sharded over the batch axis, from this process's rows
-    of a batch of ``num_rows`` (default: ``len(tokens)``, one process); ``completion`` is
-    ``completion_mask(tokens)``."""
-    r = self.config.rollout
-    no_gen = np.zeros((tokens.shape[0], r.gen_length), bool)
-    no_prompt = np.zeros_like(prompt_mask)
-    batch = rl_loss.RolloutBatch(
-        tokens=tokens.astype(np.int32),
-        prompt_mask=np.concatenate([prompt_mask, no_gen], axis=1),
-        completion_mask=np.concatenate([no_prompt, completion], axis=1),
-        attention_mask=np.concatenate([prompt_mask, ~no_gen], axis=1),
-        advantages=advantages.astype(np.float32),
-        old_logp=np.zeros(self._logp_shape(tokens), np.float32),
-        ref_logp=np.zeros(self._logp_shape(tokens), np.float32), stressed=stressed)
-    return multihost.to_global(batch, self.batch_sharding,
-                               len(tokens) if num_rows is None else num_rows)
-
-  def _logp_shape(self, tokens: np.ndarray) -> tuple[int, ...]:
-    return tokens.shape if self.spec.token_level else tokens.shape[:1]
-
   def evaluate(self, params, key, **options) -> dict[str, float]:
     """Greedy decoding of the held-out prompts (``decoding.generate_batches``, the path every
     evaluation shares): the task's metric, in percent, the mean reward and the mean model calls
@@ -623,76 +571,27 @@ class Trainer:
         prompts.mask, key, settings, mesh=self.mesh, batch_size=self.config.eval.batch_size,
         reward_scheme=self.config.task.reward)
     # Whether this process's rows count is a property of the mesh: the rollout split's.
-    return decoding.metrics_of(multihost.sum_over_rows(totals, self.rollout_split),
+    return decoding.metrics_of(multihost.sum_over_rows(totals, self.rollouts.split),
                                len(prompts.examples))
 
   def rl_step(self, step: int) -> dict[str, Any]:
-    config, r, split = self.config, self.config.rollout, self.rollout_split
+    """One RL step (the module's docstring): rollouts, l_old / l_ref, the updates, metrics."""
     start = time.perf_counter()
     key = jax.random.fold_in(jax.random.wrap_key_data(self.state.key), step)
     key_rollout, key_old, key_inner = jax.random.split(key, 3)
-    inner_keys = jax.random.split(key_inner, config.train.num_iterations)
-
-    everyone = next(self.data_iter)  # The global batch; this process keeps its groups.
-    examples = [everyone[int(g)] for g in self.my_groups]
-    prompts = data.encode_examples(config, self.tokenizer, self.task, examples)
-    prompt_tokens = np.repeat(prompts.tokens, r.group_size, axis=0)
-    prompt_mask = np.repeat(prompts.mask, r.group_size, axis=0)
-    tokens, calls = self.generate(self.state.params, prompt_tokens, prompt_mask, key_rollout,
-                                  temperature=r.temperature, steps=r.steps,
-                                  num_rows=split.num_rows)
-    rollout_s = time.perf_counter() - start
-
-    texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
-    components = self.scorer(texts, [examples[i // r.group_size] for i in range(len(texts))])
-    rewards = self.scorer.rewards(components)
-    # Groups never span processes: the advantages of this process's rows are its own.
-    advantages = np.asarray(objectives.group_advantages(
-        jnp.asarray(rewards), r.group_size,
-        scale_by_std=self.run_spec.scale_advantages_by_std, baseline=self.run_spec.baseline))
-    stressed = None
-    if config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
-      stressed = np.asarray(estimators.stress_selection(
-          jax.random.fold_in(key, _STRESS_KEY), split.num_rows,
-          config.estimator.stress.fraction))[split.rows]
-    completion = self.completion_mask(tokens)
-    # Completions that hit the length limit: no stop token anywhere in them.
-    truncated = ~np.isin(tokens[:, r.prompt_length:],
-                         np.asarray(models.family.stop_ids(self.model_config))).any(-1)
-    # Sample rollouts for the writer (process 0), decoded only on the steps that log them.
-    every_samples, num_logged = config.logging.samples_every_steps, config.logging.num_samples
-    due = self.primary and every_samples and (step + 1) % every_samples == 0
-    self.samples = [dict(prompt=p, completion=c, reward=float(w)) for p, c, w in zip(
-        data.decode_completions(self.tokenizer, prompt_tokens[:num_logged]),
-        texts[:num_logged], rewards[:num_logged])] if due else []
-    batch = self.make_batch(tokens, prompt_mask, completion, advantages, stressed,
-                            num_rows=split.num_rows)
-    # Coupled (d1, ESPO): l_old and l_ref on each inner iteration's own masks, before any update.
-    # Independent (StableDRL): once, on masks of their own, so that at the first iteration the
-    # ratio is pure estimator noise.
-    coupled = self.run_spec.coupled_ratio
-    keys, repeat = (list(inner_keys), 1) if coupled else ([key_old], len(inner_keys))
-    old = ref = None
-    if self.run_spec.needs_old:
-      old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
-    if self.ref_params is not None:
-      ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
-
+    inner_keys = list(jax.random.split(key_inner, self.config.train.num_iterations))
+    rollouts = self.rollouts(self.state.params, next(self.data_iter), key_rollout,
+                             jax.random.fold_in(key, _STRESS_KEY),
+                             num_samples=self._samples_due(step))
+    self.samples = rollouts.samples
+    old, ref, num_scorings = self._old_and_ref(rollouts.batch, key_old, inner_keys)
     kl_start = None
     if self.start_params is not None:  # KL(pi_old || pi_start), on pi_old's own rollouts.
-      kl_start = self._kl_to_start(batch, key_old, None if old is None else old[0])
-
-    inner = []
-    for i, inner_key in enumerate(inner_keys):
-      if old is not None:
-        batch = batch.replace(old_logp=old[i])
-      if ref is not None:
-        batch = batch.replace(ref_logp=ref[i])
-      self.state, metrics = self.update(self.state, batch, inner_key)
-      inner.append(metrics)
+      kl_start = self._kl_to_start(rollouts.batch, key_old, None if old is None else old[0])
+    inner_device = self._updates(rollouts.batch, old, ref, inner_keys)
     # On the host: the metrics are replicated, and host code launches no computation on global
     # arrays that another process might order differently.
-    inner_device, inner = inner, jax.device_get(inner)
+    inner = jax.device_get(inner_device)
     per_sample = {name: np.stack([m.pop(name) for m in inner]) for name in list(inner[0])
                   if name.startswith(train_step.PER_SAMPLE)}  # [I, N] each.
     metrics = train_step.reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
@@ -704,52 +603,85 @@ class Trainer:
     self.state = self.state.replace(
         step=jax.device_put(np.int32(step + 1), self.state_shardings.step),  # Global everywhere.
         objective_state=self.advance_objective_state(self.state.objective_state, inner_device))
+    metrics.update(self._spike_metrics(step + 1, inner, per_sample, rollouts))
+    metrics.update(self._step_metrics(step, rollouts, num_scorings,
+                                      elapsed=time.perf_counter() - start))
+    return metrics
 
-    # Whole-batch statistics of host-side values: every process's rows.
-    # Whole-batch statistics of host-side values: every process's rows, groups contiguous.
-    rows = multihost.gather_rows(np.column_stack(
-        [rewards, np.abs(advantages), completion.sum(-1), calls, truncated,
-         components]).astype(np.float32), split)
-    rewards_all, lengths, components_all = rows[:, 0], rows[:, 2], rows[:, 5:]
+  def _samples_due(self, step: int) -> int:
+    """How many rollouts step ``step`` logs: ``logging.num_samples`` on process 0 every
+    ``logging.samples_every_steps`` steps, else none."""
+    every, num = self.config.logging.samples_every_steps, self.config.logging.num_samples
+    return num if self.primary and every and (step + 1) % every == 0 else 0
+
+  def _old_and_ref(self, batch: rl_loss.RolloutBatch, key_old: jax.Array,
+                   inner_keys: list[jax.Array]) -> tuple[list | None, list | None, int]:
+    """l_old and l_ref for each inner update (None where the run has none), and how many
+    scoring passes ran per model.
+
+    Coupled (d1, ESPO): on each inner iteration's own masks, before any update. Independent
+    (StableDRL): once, on masks of their own, so that at the first iteration the ratio is pure
+    estimator noise.
+    """
+    keys, repeat = (inner_keys, 1) if self.run_spec.coupled_ratio else ([key_old],
+                                                                        len(inner_keys))
+    old = ref = None
+    if self.run_spec.needs_old:
+      old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
+    if self.ref_params is not None:
+      ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
+    return old, ref, len(keys) * ((old is not None) + (ref is not None))
+
+  def _updates(self, batch: rl_loss.RolloutBatch, old: list | None, ref: list | None,
+               inner_keys: list[jax.Array]) -> list[dict[str, jax.Array]]:
+    """The ``train.num_iterations`` updates of one step, fresh masks each; their metrics."""
+    inner = []
+    for i, inner_key in enumerate(inner_keys):
+      if old is not None:
+        batch = batch.replace(old_logp=old[i])
+      if ref is not None:
+        batch = batch.replace(ref_logp=ref[i])
+      self.state, metrics = self.update(self.state, batch, inner_key)
+      inner.append(metrics)
+    return inner
+
+  def _spike_metrics(self, step: int, inner: list[dict[str, Any]],
+                     per_sample: dict[str, np.ndarray], rollouts: rollout_lib.Rollouts
+                     ) -> dict[str, float]:
+    """Checks step ``step``'s gradient norms for a spike; records it (``_record_spike``)."""
     reason, norm, median = self.spikes.check(
         np.asarray([m["grad_norm"] for m in inner]),
         skipped=any(int(m["skipped"]) for m in inner))
-    if reason is not None:  # Replicated metrics: every process takes this branch (collectives).
-      self._record_spike(step + 1, reason, inner, per_sample, tokens, rewards_all, advantages,
-                         stressed, median)
-      metrics["spike/step"] = step + 1
-      if math.isfinite(norm / median):  # Not for a non-finite step, nor before any history.
-        metrics["spike/grad_norm_over_median"] = norm / median
-    group_std = rewards_all.reshape(-1, r.group_size).std(axis=-1)
-    elapsed = time.perf_counter() - start
-    terms = self.scorer.terms
+    if reason is None:
+      return {}
+    # Replicated metrics: every process takes this branch (it gathers rows).
+    self._record_spike(step, reason, inner, per_sample, rollouts, median)
+    out = {"spike/step": step}
+    if math.isfinite(norm / median):  # Not for a non-finite step, nor before any history.
+      out["spike/grad_norm_over_median"] = norm / median
+    return out
+
+  def _step_metrics(self, step: int, rollouts: rollout_lib.Rollouts, num_scorings: int, *,
+                    elapsed: float) -> dict[str, float]:
+    """The rollouts' statistics, the schedule, skips, time and throughput of step ``step``."""
+    r, train = self.config.rollout, self.config.train
+    num_rows = self.rollouts.split.num_rows
     length = r.prompt_length + r.gen_length
     flops = profiling.rl_step_flops(
-        self.num_params, rollout_positions=float(rows[:, 3].sum()) * length,
-        scored_positions=split.num_rows * self.spec.num_samples * length,
-        num_updates=config.train.num_iterations,
-        num_scorings=len(keys) * ((old is not None) + (ref is not None)))  # passes run, not reused
-    updates_done = (step + 1) * config.train.num_iterations
-    # Names as TRL and tunix users know them (docs/training.md, "Metrics").
-    metrics.update({
-        "rewards/mean": float(rewards_all.mean()), "rewards/std": float(rewards_all.std()),
-        **{f"rewards/{term.name}": float(components_all[:, j].mean())
-           for j, term in enumerate(terms)},
-        "frac_reward_zero_std": float(np.mean(group_std < 1e-6)),
-        "advantage/abs_mean": float(rows[:, 1].mean()),
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(rows[:, 4].mean()),
+        self.num_params, rollout_positions=float(rollouts.stats.model_calls.sum()) * length,
+        scored_positions=num_rows * self.spec.num_samples * length,
+        num_updates=train.num_iterations,
+        num_scorings=num_scorings)  # passes run, not reused
+    updates_done = (step + 1) * train.num_iterations
+    return {
+        **rollouts.stats.metrics([term.name for term in self.scorer.terms], r.group_size),
         "learning_rate": float(self.schedule(updates_done - 1)),
-        "rollout/model_calls": float(rows[:, 3].mean()),
         "skipped_steps": int(self.state.skipped_steps),
-        "time/step_s": elapsed, "time/rollout_s": rollout_s,
-        "throughput/tokens_per_s": split.num_rows * r.gen_length / elapsed,
+        "time/step_s": elapsed, "time/rollout_s": rollouts.seconds,
+        "throughput/tokens_per_s": num_rows * r.gen_length / elapsed,
         "perf/tflops_per_s": flops / elapsed / 1e12,
         **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
-    })
-    return metrics
+    }
 
   def _kl_to_start(self, batch: rl_loss.RolloutBatch, key: jax.Array, old) -> jax.Array:
     """mean(l_old - l_start) over the batch's rollouts, both scored on the same masks (their
@@ -762,14 +694,15 @@ class Trainer:
     return _mean_sequence_gap(now, start, batch.completion_mask)
 
   def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
-                    per_sample: dict[str, np.ndarray], tokens: np.ndarray, rewards: np.ndarray,
-                    advantages: np.ndarray, stressed: np.ndarray | None, median: float) -> None:
+                    per_sample: dict[str, np.ndarray], rollouts: rollout_lib.Rollouts,
+                    median: float) -> None:
     """Writes ``<workdir>/spikes/step_<step>.npz`` (``spikes.SPIKE_FIELDS``) on process 0, with
     every process's rows (gathered: a collective every process enters)."""
-    split, prompt_length = self.rollout_split, self.config.rollout.prompt_length
+    prompt_length = self.config.rollout.prompt_length
+    tokens, stressed = rollouts.tokens, rollouts.stressed
     gathered = multihost.gather_rows(np.column_stack(
-        [tokens, advantages[:, None], np.zeros((len(tokens), 1)) if stressed is None
-         else stressed[:, None]]).astype(np.float64), split)
+        [tokens, rollouts.advantages[:, None], np.zeros((len(tokens), 1)) if stressed is None
+         else stressed[:, None]]).astype(np.float64), self.rollouts.split)
     if not self.primary:
       return
     all_tokens = gathered[:, :tokens.shape[1]].astype(np.int64)
@@ -781,7 +714,8 @@ class Trainer:
                                                       all_tokens[:, :prompt_length])),
         "completions": np.asarray(data.decode_completions(self.tokenizer,
                                                           all_tokens[:, prompt_length:])),
-        "rewards": rewards, "advantages": gathered[:, -2], "stressed": gathered[:, -1] > 0,
+        "rewards": rollouts.stats.rewards, "advantages": gathered[:, -2],
+        "stressed": gathered[:, -1] > 0,
         **per_sample})
     logging.warning("Step %d: %s spike (gradient norms %s, median %.4g); its rollouts are in %s",
                     step, reason, [f"{float(m['grad_norm']):.4g}" for m in inner], median, path)
