@@ -17,7 +17,7 @@ gen; K Monte Carlo samples; the paper's StableDRL setting: block_random masks, S
               computes them), the objective, the backward pass (docs/training.md).
   train_step  `train_step.make_update_fn`: the train core plus gradient clipping, AdamW and the
               non-finite check, state donated (what the trainer runs per inner iteration).
-  sampler     `sampling.generate` on the N rollout rows (temperature 0.9, low-confidence
+  sampler     `models/llada/sampler.generate` on the N rollout rows (temperature 0.9, low-confidence
               remasking, `--steps` model calls).
 
 Per row: seconds (median of `--repeats` warm calls), tokens/s (sequence positions through the
@@ -65,7 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import models, profiling, sampling
+from stabledrl_jax import models, profiling
+from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.models.llada import flops as flops_lib
 from stabledrl_jax.training import config_lib, mesh as mesh_lib, optimizer, rl_loss
 from stabledrl_jax.training import specs
@@ -207,7 +208,7 @@ def sampler_case(name: str, model: nnx.Module, w: Workload, temperature: float) 
   key = jax.random.key(1)
 
   def sample(state, prompt, key):
-    return sampling.generate(nnx.merge(graphdef, state), prompt, key=key,
+    return llada_sampler.generate(nnx.merge(graphdef, state), prompt, key=key,
                              gen_length=w.gen_length, steps=w.steps,
                              block_length=w.block_length, temperature=temperature)
 

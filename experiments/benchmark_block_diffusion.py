@@ -18,7 +18,7 @@ functions, best of `--repeats` runs taken in turn after one warm-up call:
                      n per block (n / block_size passes), the naive estimator
 
   sampling (greedy, low_confidence_static, --steps steps per block, batch B):
-    cached           block_sampling.generate(use_cache=True): KV cache of finished blocks
+    cached           models/sdar/sampler.generate(use_cache=True): KV cache of finished blocks
     uncached         use_cache=False: the whole sequence recomputed at every step
   (the script checks that both produce the same tokens).
 
@@ -41,7 +41,7 @@ from flax import nnx
 
 from stabledrl_jax import block_estimators as be
 from stabledrl_jax import models, profiling
-from stabledrl_jax.block_sampling import generate
+from stabledrl_jax.models.sdar.sampler import generate
 
 
 def timed(fns: dict, repeats: int) -> tuple[dict, dict]:

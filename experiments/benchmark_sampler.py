@@ -10,8 +10,8 @@ Rows of the table:
   python loop     the same loop, but each step is one jitted call doing what a step of
                   `generate` does (logits of the current block only, sampling on device):
                   one dispatch and one host round trip per step.
-  generate        stabledrl_jax.sampling.generate: one jitted function, lax loops over blocks and
-                  steps, last transformer block and output projection on the current block only.
+  generate        models/llada/sampler.generate: one jitted function, lax loops over blocks
+                  and steps, last transformer block and output projection on the current block only.
 
 All three decode the same prompts with the same schedule; at temperature 0 their outputs must
 agree exactly, which the script checks. Times are the best of `--repeats` runs, the methods taking
@@ -48,7 +48,8 @@ from flax import nnx
 
 from stabledrl_jax import models, profiling
 from stabledrl_jax.models.llada import flops as flops_lib
-from stabledrl_jax.sampling import CACHES, categorical, generate, num_transfer_tokens
+from stabledrl_jax.models.llada.sampler import CACHES, generate
+from stabledrl_jax.models.sampler_lib import categorical, num_transfer_tokens
 
 
 def naive_generate(forward, prompt, *, mask_id, gen_length, steps, block_length, temperature,

@@ -19,7 +19,7 @@ import time
 import jax
 from absl import app, flags, logging
 
-from stabledrl_jax.sampling import CACHES
+from stabledrl_jax.models.llada.sampler import CACHES
 from stabledrl_jax.training import checkpoint_source, trainer
 
 _BLOCK_LENGTHS = flags.DEFINE_list("block_lengths", ["40", "8"], "Block lengths to decode with.")

@@ -14,9 +14,9 @@ Rows, in this order (`--rows` selects; names or groups: train, sampler, peers, a
                        the paper's sequence shape: P x G rows of 256 prompt + 256 completion
                        tokens, K = 2, one group (G x K rows) per microbatch, for
                        `model.attention` = "xla" and "cudnn". FLOPs: `models.llada.flops`.
-  sampler_<cache>_<remasking>   `sampling.generate` at the paper's decoding shape (256 tokens,
-                       128 steps, blocks of 32, 64 rows, T = 0.9) for the caches none / prefix /
-                       dual, each with low_confidence (the three first) and threshold (tau 0.9)
+  sampler_<cache>_<remasking>   `models/llada/sampler.generate` at the paper's decoding shape
+                       (256 tokens, 128 steps, blocks of 32, 64 rows, T = 0.9) for the caches
+                       none / prefix / dual, each with low_confidence (the three first) and threshold (tau 0.9)
                        remasking (one compiled call timed, `--sampler_repeats`): tokens/s,
                        model calls per sequence, FLOPs (`benchmark_sampler.call_flops`). Random
                        weights are never confident, so threshold decoding degenerates to one token
@@ -102,7 +102,8 @@ from flax import nnx
 import benchmark
 import benchmark_sampler
 import gpu_check_peers
-from stabledrl_jax import models, profiling, sampling
+from stabledrl_jax import models, profiling
+from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.models.llada import flops as flops_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,7 +133,7 @@ SHAPES = {
         peak_sizes=[128], peak_seconds=0.02, logits_rows=2),
 }
 
-CACHES = sampling.CACHES
+CACHES = llada_sampler.CACHES
 REMASKINGS = ("low_confidence", "threshold")
 PEERS = ("official", "fast_dllm")
 ROW_NAMES = (["env", "peak", "train_xla", "train_cudnn"]
@@ -171,7 +172,7 @@ def model_config(shape: dict, *, smoke: bool, attention: str | None,
   neither remat nor scan (they slow the toy's CPU compile; the values are the same).
 
   The sampler's model has no remat: it takes no gradient, and at this writing
-  ``sampling.generate(cache="none")`` of a remat model fails with flax's TraceContextError
+  ``llada_sampler.generate(cache="none")`` of a remat model fails with flax's TraceContextError
   (the remat'd last block of ``encode(span=...)`` inside the sampler's loops)."""
   dtype = jnp.float32 if smoke else jnp.bfloat16
   fields = dict(shape["model"], param_dtype=jnp.float32, dtype=dtype, logits_dtype=jnp.float32,
@@ -364,7 +365,7 @@ def sampler_row(ctx: Context, cache: str, remasking: str, model, prompt) -> dict
   key = jax.random.key(2)
 
   def sample(state, prompt, key):
-    return sampling.generate(nnx.merge(graphdef, state), prompt, key=key,
+    return llada_sampler.generate(nnx.merge(graphdef, state), prompt, key=key,
                              gen_length=s["gen_length"], steps=s["steps"],
                              block_length=s["block_length"], temperature=s["temperature"],
                              remasking=remasking, threshold=s["threshold"], cache=cache,

@@ -36,7 +36,7 @@ from flax import nnx
 
 import benchmark_sampler
 from stabledrl_jax import models, tasks, tokenizers
-from stabledrl_jax.sampling import CACHES
+from stabledrl_jax.models.llada.sampler import CACHES
 from stabledrl_jax.training import supervised
 
 PROMPT_LENGTH, GEN_LENGTH, STEPS, BLOCK_LENGTH = 192, 256, 128, 32

@@ -45,9 +45,10 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import models, sampling, scoring, tasks
+from stabledrl_jax import scoring, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
+from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.training import mesh as mesh_lib, multihost
 
 D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
@@ -435,6 +436,8 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
   data.check_tokenizer(model.config, tokenizer)
+  for setting in settings:  # By the model's own sampler's rules.
+    setting.check(model.config)
 
   # A workdir's prompts are those it trained on; d1's carry the task's instruction.
   with_instruction = options.with_instruction
@@ -525,12 +528,13 @@ def define_flags() -> None:
   flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size.")
   flags.DEFINE_float("temperature", defaults.temperature, "Sampling temperature (0: greedy).")
   flags.DEFINE_string("remasking", defaults.remasking,
-                      "Remasking strategy, any that stabledrl_jax.sampling accepts "
-                      "(low_confidence, random, threshold).")
+                      "Remasking rule, any the model's sampler takes (LLaDA: low_confidence, "
+                      "random, threshold; SDAR: low_confidence, low_confidence_static, "
+                      "low_confidence_dynamic).")
   flags.DEFINE_float("threshold", defaults.threshold, "tau of --remasking=threshold: reveal "
                      "every position more confident than tau, at least one per model call.")
   flags.DEFINE_float("cfg_scale", defaults.cfg_scale, "Classifier-free guidance (0: off).")
-  flags.DEFINE_enum("cache", defaults.cache, list(sampling.CACHES),
+  flags.DEFINE_enum("cache", defaults.cache, list(llada_sampler.CACHES),
                     "LLaDA's block-wise KV cache (Fast-dLLM): none (exact), prefix or dual.")
   flags.DEFINE_integer("batch_size", defaults.batch_size, "Rows per sampler call, all devices.")
   flags.DEFINE_integer("shard_size", defaults.shard_size,

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models, sampling
-from stabledrl_jax.block_sampling import generate
+from stabledrl_jax import models
+from stabledrl_jax.models import sampler_lib
+from stabledrl_jax.models.sdar.sampler import generate
 
 CONFIG = models.get_sdar_config("tiny")
 BS, MASK = CONFIG.block_size, CONFIG.mask_token_id
@@ -187,5 +188,5 @@ def test_every_stop_token_of_the_config_ends_a_completion(peaked, prompt):
   first = 6 + np.flatnonzero(free[0, 6:] == turn_end)[0]
   np.testing.assert_array_equal(got[0, :first + 1], free[0, :first + 1])
   assert np.all(got[0, first + 1:] == eos)
-  mask = np.asarray(sampling.completion_mask(got, 6, models.family.stop_ids(chat.config)))
+  mask = np.asarray(sampler_lib.completion_mask(got, 6, models.family.stop_ids(chat.config)))
   assert mask[0].sum() == first + 1 - 6 and mask[0, :first + 1 - 6].all()

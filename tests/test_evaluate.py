@@ -417,6 +417,24 @@ def test_bad_sampler_settings(settings, message):
     settings.check()
 
 
+def test_each_family_checks_the_settings_by_its_own_sampler():
+  """SDAR's rules are SDAR's: its remasking names pass before a model is loaded, and with its
+  config its record takes the steps per block; what it has no use for is named."""
+  sdar = models.get_sdar_config("tiny")
+  dynamic = evaluate.SamplerSettings.d1(64, remasking="low_confidence_dynamic")
+  dynamic.check()  # LLaDA's sampler has no such rule; SDAR's has.
+  dynamic.check(sdar)
+  record = models.family.of(sdar).sampling(dynamic, sdar)
+  assert record.steps == -(-dynamic.steps // (64 // sdar.block_size))
+  assert record.stop_ids == tuple(sdar.stop_token_ids)
+  with pytest.raises(ValueError, match="SDAR's sampler always keeps the keys and values"):
+    evaluate.SamplerSettings.d1(64, cache="dual").check(sdar)
+  with pytest.raises(ValueError, match="remasking 'random' is not one of SDAR's"):
+    evaluate.SamplerSettings.d1(64, remasking="random").check(sdar)
+  with pytest.raises(ValueError, match="remasking must be one of"):  # LLaDA's check.
+    dynamic.check(models.get_config("tiny"))
+
+
 def test_threshold_decoding_is_a_sampler_setting_and_recorded_only_when_used():
   dynamic = evaluate.SamplerSettings.d1(128, remasking="threshold", threshold=0.8)
   dynamic.check()

@@ -278,7 +278,7 @@ def test_sharded_loading_on_a_fake_8_device_mesh(checkpoint, tokens):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
       # The sampler runs on the sharded model as on one device (greedy: same tokens).
-      from stabledrl_jax.sampling import generate
+      from stabledrl_jax.models.llada.sampler import generate
       kw = dict(key=jax.random.key(0), gen_length=8, steps=4, block_length=4)
       np.testing.assert_array_equal(generate(model, batch, **kw), generate(single, tokens, **kw))
 

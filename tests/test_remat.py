@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import block_sampling, models, sampling
+from stabledrl_jax import models
+from stabledrl_jax.models.llada import sampler as llada_sampler
+from stabledrl_jax.models.sdar import sampler as sdar_sampler
 
 
 def _pair(family):
@@ -27,16 +29,16 @@ def test_a_remat_llada_samples_as_the_plain_one(cache):
   prompt = jax.random.randint(jax.random.key(1), (2, 8), 3, 40)
   kw = dict(key=jax.random.key(0), gen_length=16, steps=8, block_length=8, temperature=0.9,
             cache=cache)
-  np.testing.assert_array_equal(sampling.generate(remat, prompt, **kw),
-                                sampling.generate(plain, prompt, **kw))
+  np.testing.assert_array_equal(llada_sampler.generate(remat, prompt, **kw),
+                                llada_sampler.generate(plain, prompt, **kw))
 
 
 def test_a_remat_sdar_samples_as_the_plain_one():
   plain, remat = _pair("sdar")
   prompt = jax.random.randint(jax.random.key(1), (2, 8), 3, 40)
   kw = dict(key=jax.random.key(0), gen_length=8, steps=8, temperature=0.9)
-  np.testing.assert_array_equal(block_sampling.generate(remat, prompt, **kw),
-                                block_sampling.generate(plain, prompt, **kw))
+  np.testing.assert_array_equal(sdar_sampler.generate(remat, prompt, **kw),
+                                sdar_sampler.generate(plain, prompt, **kw))
 
 
 @pytest.mark.parametrize("family", ["llada", "sdar"])

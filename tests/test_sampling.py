@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models, sampling
-from stabledrl_jax.sampling import categorical, completion_mask, generate, num_transfer_tokens
+from stabledrl_jax import models
+from stabledrl_jax.models import sampler_lib
+from stabledrl_jax.models.llada.sampler import generate
+from stabledrl_jax.models.sampler_lib import categorical, completion_mask, num_transfer_tokens
 
 CONFIG = models.get_config("tiny")
 MASK, EOS, V = CONFIG.mask_token_id, CONFIG.eos_token_id, CONFIG.embedding_size
@@ -370,7 +372,8 @@ def test_categorical_never_draws_a_zero_probability_token_at_a_chunk_boundary():
     for _ in range(ulps):
       target = np.nextafter(target, np.float32(np.inf))
     uniform = (target / cdf[:, -1]).astype(np.float32)
-    draws.append(np.asarray(sampling.categorical_from_uniform(jnp.asarray(uniform), logits, 1.0)))
+    draws.append(np.asarray(sampler_lib.categorical_from_uniform(jnp.asarray(uniform), logits,
+                                                                 1.0)))
   assert not np.any(np.concatenate(draws) == 4)
 
 

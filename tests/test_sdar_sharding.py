@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent("""
     from flax import nnx
     from jax.sharding import AxisType, PartitionSpec as P
     from stabledrl_jax import block_estimators as be, models
-    from stabledrl_jax.block_sampling import generate
+    from stabledrl_jax.models.sdar.sampler import generate
 
     assert len(jax.devices()) == 8, jax.devices()
     config = models.get_sdar_config("tiny")

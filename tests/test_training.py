@@ -21,7 +21,8 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import estimators, models, objectives, sampling
+from stabledrl_jax import estimators, models, objectives
+from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import multihost, optimizer as optimizer_lib, rl_loss, rollout, run_spec
@@ -817,9 +818,8 @@ def test_cached_rollouts_train_and_evaluation_stays_exact(tmp_path, monkeypatch)
   """rollout.cache=dual: the rollouts use the KV-cached sampler, the periodic evaluation the
   exact one; SDAR, whose sampler caches exactly already, takes only 'none'."""
   seen = []
-  real = sampling.generate
-  monkeypatch.setattr(sampling, "generate", lambda *a, **kw: seen.append(kw["cache"]) or real(
-      *a, **kw))
+  real = llada_sampler.sample
+  monkeypatch.setattr(llada_sampler, "sample", lambda *a: seen.append(a[4].cache) or real(*a))
   config = tiny_config(**{"sft.num_steps": 0, "train.num_steps": 1, "train.num_iterations": 1,
                           "eval.every_steps": 1, "rollout.cache": "dual"})
   history = trainer.train(config, str(tmp_path))

@@ -13,10 +13,16 @@ Face checkpoint IO.
     config = load_config("/path/to/checkpoint")     # its config.json alone
     family.of(config).generate / .likelihood / ...   # what differs between families
 
+    from stabledrl_jax.models.llada.sampler import generate    # SDAR's: models.sdar.sampler
+    tokens = generate(model, prompt, key=key, gen_length=256, steps=128, block_length=32)
+
 Modules: ``family`` (the family record and registry), ``llada/`` and ``sdar/`` (config, module,
-checkpoint names and the family's registration), ``layers`` (RMSNorm, rotary, SwiGLU MLP,
-attention), ``scan`` (scanned layers), ``sharding`` (logical axis names and rules), ``hf_io``
-(safetensors IO for every family).
+checkpoint names, sampler and the family's registration), ``sampler_lib`` (what the samplers
+share), ``layers`` (RMSNorm, rotary, SwiGLU MLP, attention), ``scan`` (scanned layers),
+``sharding`` (logical axis names and rules), ``hf_io`` (safetensors IO for every family).
+
+Adding a family: a folder ``<name>/`` with those modules whose ``__init__.py`` registers a
+``family.Family``, and one import below (docs/models.md, "Adding a model").
 """
 
 import functools

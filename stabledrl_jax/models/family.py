@@ -61,9 +61,12 @@ class Family:
     likelihood: how its likelihoods are estimated (``estimators.Likelihood``).
     likelihood_fn: (model, attention_mask [B, L]) -> the model as ``likelihood.estimate``
       takes it.
-    generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, *, gen_length, steps,
-      block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos, cache)
-      -> (tokens [B, P + G], model calls [B] int32).
+    sampling: (decoding, config) -> the family's own sampler settings record, from the common
+      options (``training/decoding.Decoding``: gen_length, steps over the completion,
+      block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos, cache); raises
+      ValueError naming an option its sampler does not take.
+    generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, settings) -> (tokens
+      [B, P + G], model calls [B] int32), ``settings`` the record ``sampling`` returns.
     remasking: the ``rollout.remasking`` values its sampler takes.
     caches: the ``rollout.cache`` values its sampler takes.
     check_rollout: (config.rollout, model config) -> None; raises ValueError naming the
@@ -84,7 +87,8 @@ class Family:
   tokenizer: Callable[[str], Any]
   likelihood: Any
   likelihood_fn: Callable[[Any, Array], Callable[..., Array]]
-  generate: Callable[..., tuple[Array, Array]]
+  sampling: Callable[[Any, Any], Any]
+  generate: Callable[[Any, Array, Array, Array, Any], tuple[Array, Array]]
   remasking: tuple[str, ...]
   check_rollout: Callable[[Any, Any], None]
   caches: tuple[str, ...] = ("none",)
@@ -167,22 +171,17 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
   return of(model).likelihood_fn(model, attention_mask)
 
 
-def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-             gen_length: int, steps: int, block_length: int, temperature: float,
-             remasking: str, threshold: float, cfg_scale: float = 0.0,
-             stop_at_eos: bool = False, cache: str = "none") -> tuple[Array, Array]:
-  """Completions of left-padded prompts [B, P] by the model's own sampler.
-
-  ``steps`` denoising steps over a completion of ``gen_length`` tokens (at most, for threshold
-  rules); ``training/decoding.Decoding`` documents the rest.
+def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, decoding: Any
+             ) -> tuple[Array, Array]:
+  """Completions of left-padded prompts [B, P] by the model's own sampler, with the common
+  decoding options ``decoding`` (``training/decoding.Decoding``) in its family's settings.
 
   Returns:
     tokens [B, P + G] and the model calls each sequence needed [B] int32.
   """
-  return of(model).generate(
-      model, prompt_tokens, prompt_mask, key, gen_length=gen_length, steps=steps,
-      block_length=block_length, temperature=temperature, remasking=remasking,
-      threshold=threshold, cfg_scale=cfg_scale, stop_at_eos=stop_at_eos, cache=cache)
+  family = of(model)
+  return family.generate(model, prompt_tokens, prompt_mask, key,
+                         family.sampling(decoding, model.config))
 
 
 def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -75,7 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
       block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9,
-      # LLaDA: block-wise KV caching of the rollout sampler (Fast-dLLM; sampling.generate):
+      # LLaDA: block-wise KV caching of the rollout sampler (Fast-dLLM; models/llada/sampler.py):
       # none (exact) | prefix | dual; approximate rollouts, which StableDRL's ratio treatment is
       # built to tolerate. Evaluation stays exact unless evaluate's --cache says otherwise.
       cache="none",

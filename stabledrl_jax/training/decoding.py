@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import tqdm
 
-from stabledrl_jax import models, sampling
+from stabledrl_jax import models
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.training import data, mesh as mesh_lib, multihost
 
@@ -47,7 +47,7 @@ class Decoding:
     stop_at_eos: LLaDA: stop once every row has a stop token, and fill after it with EOS (the
       text up to the first stop token is the same either way).
     cache: block-wise KV caching of LLaDA's sampler ("none": exact, "prefix", "dual";
-      ``sampling.generate``); SDAR's sampler always caches its finished blocks, exactly.
+      ``models/llada/sampler.py``); SDAR's sampler always caches its finished blocks, exactly.
   """
 
   gen_length: int
@@ -79,11 +79,24 @@ class Decoding:
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**fields)
 
-  def check(self) -> None:
-    """Raises ValueError unless LLaDA's sampler accepts these settings (cheap)."""
-    settings = dataclasses.asdict(self)
-    del settings["stop_at_eos"]
-    sampling.check_settings(**settings)
+  def check(self, model_config: Any = None) -> None:
+    """Raises ValueError unless the sampler of ``model_config``'s family accepts these settings
+    (``Family.sampling``; cheap, nothing compiles). Without a model config: LLaDA's rules, unless
+    the remasking rule is another family's (then only what every family requires)."""
+    if model_config is not None:
+      family_lib.of(model_config).sampling(self, model_config)
+      return
+    if self.remasking in family_lib.get("llada").remasking:
+      family_lib.get("llada").sampling(self, None)
+      return
+    rules = {rule: name for name in family_lib.names() for rule in family_lib.get(name).remasking}
+    if self.remasking not in rules:
+      raise ValueError(f"remasking must be one of {tuple(rules)}, got {self.remasking!r}")
+    if self.gen_length <= 0 or self.steps <= 0:
+      raise ValueError("gen_length and steps must be positive")
+    if self.temperature < 0 or not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"temperature must be >= 0 and threshold in [0, 1], got "
+                       f"{self.temperature} and {self.threshold}")
 
   def describe(self) -> dict[str, Any]:
     """The settings a generation file records; tau only where the remasking rule uses it."""
@@ -100,8 +113,7 @@ def generate(model: Any, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: 
              decoding: Decoding) -> tuple[jax.Array, jax.Array]:
   """Completions of left-padded prompts [B, P] by the model's sampler: tokens [B, P + G] and the
   model calls each row needed [B]."""
-  return family_lib.generate(model, prompt_tokens, prompt_mask, key, **dataclasses.asdict(
-      decoding))
+  return family_lib.generate(model, prompt_tokens, prompt_mask, key, decoding)
 
 
 def check_chunks(rollout: Any, ways: int) -> None:

@@ -23,7 +23,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import estimators, models, objectives, sampling
+from stabledrl_jax import estimators, models, objectives
+from stabledrl_jax.models import sampler_lib
 from stabledrl_jax.training import data, decoding, multihost, reward_pool, rl_loss, run_spec
 
 
@@ -172,7 +173,7 @@ class RolloutCollector:
 
   def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
     """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""
-    return np.asarray(sampling.completion_mask(tokens, self.config.rollout.prompt_length,
+    return np.asarray(sampler_lib.completion_mask(tokens, self.config.rollout.prompt_length,
                                                self.stop_ids))
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, completion: np.ndarray,

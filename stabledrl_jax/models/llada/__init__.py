@@ -1,9 +1,9 @@
 """LLaDA: a full-attention masked diffusion LM (GSAI-ML/LLaDA-8B-Instruct), and its family record.
 
 Modules: ``config`` (ModelConfig and the named sizes), ``model`` (the NNX module), ``checkpoint``
-(the Hugging Face names and config.json keys), ``flops`` (the matmul FLOPs of a pass). Its
-sampler is ``stabledrl_jax.sampling`` (semi-autoregressive low-confidence remasking) and its
-likelihoods are the Monte Carlo estimators of ``stabledrl_jax.estimators``.
+(the Hugging Face names and config.json keys), ``flops`` (the matmul FLOPs of a pass),
+``sampler`` (semi-autoregressive low-confidence remasking, threshold decoding, Fast-dLLM's KV
+caches). Its likelihoods are the Monte Carlo estimators of ``stabledrl_jax.estimators``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from stabledrl_jax import estimators, sampling, tokenizers
+from stabledrl_jax import estimators, tokenizers
 from stabledrl_jax.models import family
-from stabledrl_jax.models.llada import checkpoint
+from stabledrl_jax.models.llada import checkpoint, sampler
 from stabledrl_jax.models.llada.config import CONFIG_NAMES, ModelConfig, get_config
 from stabledrl_jax.models.llada.model import LLaDA
 
@@ -41,16 +41,20 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
   return logits_fn
 
 
-def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-             gen_length: int, steps: int, block_length: int, temperature: float,
-             remasking: str, threshold: float, cfg_scale: float,
-             stop_at_eos: bool, cache: str = "none") -> tuple[Array, Array]:
-  """``family.Family.generate`` by ``sampling.generate`` over blocks of ``block_length``."""
-  tokens, stats = sampling.generate(
-      model, prompt_tokens, key=key, gen_length=gen_length, steps=steps,
-      block_length=block_length, temperature=temperature, remasking=remasking,
-      threshold=threshold, cfg_scale=cfg_scale, prompt_mask=prompt_mask,
-      stop_at_eos=stop_at_eos, return_stats=True, cache=cache)
+def sampling(decoding: Any, config: ModelConfig) -> sampler.Sampling:
+  """``family.Family.sampling``: LLaDA's sampler takes every common decoding option."""
+  del config
+  return sampler.Sampling(
+      gen_length=decoding.gen_length, steps=decoding.steps, block_length=decoding.block_length,
+      temperature=decoding.temperature, remasking=decoding.remasking,
+      threshold=decoding.threshold, cfg_scale=decoding.cfg_scale,
+      stop_at_eos=decoding.stop_at_eos, cache=decoding.cache)
+
+
+def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array,
+             settings: sampler.Sampling) -> tuple[Array, Array]:
+  """``family.Family.generate`` by ``sampler.sample``."""
+  tokens, _, stats = sampler.sample(model, prompt_tokens, prompt_mask, key, settings)
   return tokens, stats["model_calls"]
 
 
@@ -84,8 +88,9 @@ FAMILY = family.register(family.Family(
         config_to_hf=checkpoint.config_to_hf,
         param_names=lambda config, hf: checkpoint.param_names(config)),
     tokenizer=tokenizers.HFTokenizer.llada,
-    likelihood=estimators.FULL_ATTENTION, likelihood_fn=likelihood_fn, generate=generate,
-    remasking=sampling.REMASKING, check_rollout=check_rollout, caches=sampling.CACHES,
+    likelihood=estimators.FULL_ATTENTION, likelihood_fn=likelihood_fn, sampling=sampling,
+    generate=generate, remasking=sampler.REMASKING, check_rollout=check_rollout,
+    caches=sampler.CACHES,
     # The official code ends a completion at its first EOS (126081) only.
     stop_ids=lambda config: (config.eos_token_id,),
     aliases=QWEN_NAMES, vocab_fields=("vocab_size", "embedding_size")))

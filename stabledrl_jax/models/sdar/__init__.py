@@ -2,8 +2,8 @@
 
 Modules: ``config`` (SDARConfig and the named sizes), ``model`` (the NNX module with its
 staircase likelihood layout and KV-cached decoding), ``staircase`` (the attention masks),
-``checkpoint`` (the Hugging Face names and config.json keys). Its sampler is
-``stabledrl_jax.block_sampling`` and its likelihoods the block estimators of
+``checkpoint`` (the Hugging Face names and config.json keys), ``sampler`` (block-by-block
+decoding with a KV cache of finished blocks). Its likelihoods are the block estimators of
 ``stabledrl_jax.block_estimators`` (docs/block_diffusion.md).
 """
 
@@ -13,16 +13,16 @@ from typing import Any
 
 import jax
 
-from stabledrl_jax import block_estimators, block_sampling, tokenizers
+from stabledrl_jax import block_estimators, tokenizers
 from stabledrl_jax.models import family
 from stabledrl_jax.models.llada import QWEN_NAMES
-from stabledrl_jax.models.sdar import checkpoint
+from stabledrl_jax.models.sdar import checkpoint, sampler
 from stabledrl_jax.models.sdar.config import SDAR_CONFIG_NAMES, SDARConfig, get_sdar_config
 from stabledrl_jax.models.sdar.model import SDAR, KVCache
 
 Array = jax.Array
 
-# rollout.remasking -> block_sampling's name. LLaDA's 'low_confidence' (the even schedule, most
+# rollout.remasking -> the sampler's name. LLaDA's 'low_confidence' (the even schedule, most
 # confident first) is SDAR's static rule; SDAR has no random remasking.
 REMASKING = {
     "low_confidence": "low_confidence_static",
@@ -40,32 +40,32 @@ def likelihood_fn(model: SDAR, attention_mask: Array):
   return model.staircase
 
 
-def generate(model: SDAR, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
-             gen_length: int, steps: int, block_length: int, temperature: float,
-             remasking: str, threshold: float, cfg_scale: float,
-             stop_at_eos: bool, cache: str = "none") -> tuple[Array, Array]:
-  """``family.Family.generate`` by ``block_sampling.generate`` over the model's blocks.
+def sampling(decoding: Any, config: SDARConfig) -> sampler.Sampling:
+  """``family.Family.sampling``: SDAR decodes by its model's blocks (``block_length`` does not
+  apply) and stops finished rows on its own; ``steps`` counts denoising steps over the whole
+  completion, as for LLaDA, and its sampler takes them per block (at most: the dynamic rule and
+  finished rows stop early)."""
+  if decoding.cache != "none":
+    raise ValueError(f"cache={decoding.cache!r}: SDAR's sampler always keeps the keys and values "
+                     "of its finished blocks (exactly: attention is block-causal); there is no "
+                     "other cache to choose")
+  if decoding.cfg_scale:
+    raise ValueError(f"classifier-free guidance (cfg_scale={decoding.cfg_scale}) is LLaDA's; "
+                     "SDAR's sampler has none")
+  if decoding.remasking not in REMASKING:
+    raise ValueError(f"remasking {decoding.remasking!r} is not one of SDAR's "
+                     f"{tuple(REMASKING)}")
+  num_blocks = max(decoding.gen_length // config.block_size, 1)
+  return sampler.Sampling(
+      gen_length=decoding.gen_length, steps=-(-decoding.steps // num_blocks),
+      stop_ids=tuple(config.stop_token_ids), temperature=decoding.temperature,
+      remasking=REMASKING[decoding.remasking], threshold=decoding.threshold)
 
-  SDAR decodes by its model's blocks (``block_length`` does not apply) and stops finished rows
-  on its own; ``steps`` counts denoising steps over the whole completion, as for LLaDA, and the
-  block sampler takes them per block (at most: the dynamic rule and finished rows stop early).
-  """
-  del block_length, stop_at_eos
-  if cache != "none":
-    raise ValueError(f"cache={cache!r}: SDAR's sampler always keeps the keys and values of its "
-                     "finished blocks (exactly: attention is block-causal); there is no other "
-                     "cache to choose")
-  if cfg_scale:
-    raise ValueError(f"classifier-free guidance (cfg_scale={cfg_scale}) is LLaDA's; SDAR's "
-                     "sampler has none")
-  if remasking not in REMASKING:
-    raise ValueError(f"remasking {remasking!r} is not one of SDAR's {tuple(REMASKING)}")
-  num_blocks = gen_length // model.config.block_size
-  tokens, stats = block_sampling.generate(
-      model, prompt_tokens, key=key, gen_length=gen_length,
-      steps=-(-steps // num_blocks), temperature=temperature,
-      remasking=REMASKING[remasking], threshold=threshold, prompt_mask=prompt_mask,
-      return_stats=True)
+
+def generate(model: SDAR, prompt_tokens: Array, prompt_mask: Array, key: Array,
+             settings: sampler.Sampling) -> tuple[Array, Array]:
+  """``family.Family.generate`` by ``sampler.sample``."""
+  tokens, _, stats = sampler.sample(model, prompt_tokens, prompt_mask, key, settings)
   return tokens, stats["model_calls"]
 
 
@@ -101,7 +101,8 @@ FAMILY = family.register(family.Family(
         # it (the stored head is not read).
         ignored=lambda hf: {"lm_head.weight"} if hf.get("tie_word_embeddings") else set()),
     tokenizer=tokenizers.HFTokenizer.sdar,
-    likelihood=block_estimators.BLOCK, likelihood_fn=likelihood_fn, generate=generate,
+    likelihood=block_estimators.BLOCK, likelihood_fn=likelihood_fn, sampling=sampling,
+    generate=generate,
     remasking=tuple(REMASKING), check_rollout=check_rollout,
     block_size=lambda config: config.block_size, stop_ids=lambda config: config.stop_token_ids,
     aliases={llada: qwen for qwen, llada in QWEN_NAMES.items()}))
