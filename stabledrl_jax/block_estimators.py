@@ -39,7 +39,7 @@ multiple of block_size (``estimate_block_elbo`` pads to one).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import chex
 import flax.struct
@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from stabledrl_jax import estimators
+from stabledrl_jax.estimators import safe_div
 
 Array = jax.Array
 StaircaseFn = Callable[[Array, Array, Array], Array]
@@ -108,11 +109,6 @@ class BlockEstimate:
 def _check_block_size(block_size: int) -> None:
   if block_size < 1:
     raise ValueError(f"block_size must be >= 1, got {block_size}.")
-
-
-def _safe_div(num: Array, den: Array) -> Array:
-  """num / den, 0 where den == 0 (blocks without completion tokens score nothing)."""
-  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0.0)
 
 
 def _to_blocks(x: Array, block_size: int, fill) -> Array:
@@ -177,16 +173,13 @@ def sample_block_masks(key: Array, completion_mask: Array, *, block_size: int,
   priority = jnp.where(eligible[None], jax.random.uniform(key_order, (k,) + eligible.shape), 2.0)
   rank = jnp.argsort(jnp.argsort(priority, axis=-1), axis=-1)
   masked = eligible[None] & (rank < count[..., None])  # [K, B, nb, bs]
-  weight = _safe_div(block_len[None], count)
-  rate = _safe_div(count, block_len[None])
-  if coupled:
-    complement = eligible[None] & ~masked
-    count_c = block_len[None] - count
-    halves = jnp.where(count_c > 0, 2.0, 1.0)
-    masked = jnp.concatenate([masked, complement])
-    weight = jnp.concatenate([_safe_div(block_len[None], count * halves),
-                              _safe_div(block_len[None], count_c * 2.0)])
-    rate = jnp.concatenate([rate, _safe_div(count_c, block_len[None])])
+  weight = safe_div(block_len[None], count)
+  rate = safe_div(count, block_len[None])
+  if coupled:  # Each block's mask with its complement (``estimators.complementary``).
+    masked, counts, shares = estimators.complementary(masked, eligible[None], count,
+                                                      block_len[None])
+    weight = safe_div(block_len[None], shares)
+    rate = safe_div(counts, block_len[None])
   return _pack(masked, eligible, weight, rate, length, k)
 
 
@@ -252,8 +245,8 @@ def fixed_block_masks(completion_mask: Array, *, block_size: int, rate: float = 
   else:
     masked = eligible & (rank >= (block_len - count)[..., None])
   tile = lambda x: jnp.broadcast_to(x[None], (num_samples,) + x.shape)
-  return _pack(tile(masked), eligible, tile(_safe_div(block_len, count)),
-               tile(_safe_div(count, block_len)), length, num_samples)
+  return _pack(tile(masked), eligible, tile(safe_div(block_len, count)),
+               tile(safe_div(count, block_len)), length, num_samples)
 
 
 # ---------------------------------------------------------------------------
@@ -360,7 +353,7 @@ def combine(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
   total = jnp.sum(jnp.where(masks.noisy, masks.weight * token_logp, 0.0), axis=(0, 2))
   if normalize == "sum":
     return total
-  return _safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32))
+  return safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32))
 
 
 def combine_rows(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
@@ -371,7 +364,7 @@ def combine_rows(token_logp: Array, masks: BlockMaskSample, completion_mask: Arr
   total = jnp.sum(jnp.where(masks.noisy, masks.weight * token_logp, 0.0), axis=2)
   if normalize == "sum":
     return total
-  return _safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32)[None])
+  return safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32)[None])
 
 
 def estimate_from_block_masks(staircase_fn: StaircaseFn, tokens: Array, completion_mask: Array,
@@ -445,7 +438,7 @@ def _options(method: str) -> tuple[str, ...]:
 
 
 def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array,
-                spec: Any) -> BlockMaskSample:
+                spec: estimators.LikelihoodSpec) -> BlockMaskSample:
   del prompt_mask  # Prompts are never masked.
   if spec.method == "mean_field":
     return fixed_block_masks(completion_mask, block_size=spec.block_size)
@@ -453,8 +446,9 @@ def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array,
                             num_samples=spec.num_samples, **dict(spec.options))
 
 
-def _spec_stress_masks(prompt_mask: Array, completion_mask: Array, spec: Any, *, mode: str,
-                       rate: float, num_rows: int) -> BlockMaskSample:
+def _spec_stress_masks(prompt_mask: Array, completion_mask: Array,
+                       spec: estimators.LikelihoodSpec, *, mode: str, rate: float,
+                       num_rows: int) -> BlockMaskSample:
   """Per block of L_j completion tokens: 'easy' masks only the last ceil(rate L_j), 'hard' the
   first ceil(rate L_j)."""
   del prompt_mask
@@ -464,12 +458,22 @@ def _spec_stress_masks(prompt_mask: Array, completion_mask: Array, spec: Any, *,
 
 def _spec_estimate(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: Array,
                    completion_mask: Array, attention_mask: Array, masks: BlockMaskSample,
-                   spec: Any) -> BlockEstimate:
+                   spec: estimators.LikelihoodSpec) -> BlockEstimate:
   return estimate_block_elbo(staircase_fn, tokens, prompt_mask, completion_mask, None,
                              mask_id=spec.mask_id, block_size=spec.block_size,
                              normalize=spec.normalize, masks=masks,
                              attention_mask=attention_mask, return_details=True)
 
 
+def _meaning(method: str) -> str:
+  """What each name means for a block model (``training/rl_loss.py``, docs/algorithms.md)."""
+  if method == "mean_field":
+    return ("the whole-block mean field: every completion block fully masked, each token scored "
+            "given the clean blocks before it (one deterministic row)")
+  return ("the block ELBO: every block scored in one staircase pass (count form); the name's "
+          "own block / prompt rules do not apply to a block model")
+
+
 BLOCK = estimators.Likelihood(methods=lambda: METHODS, options=_options, masks=_spec_masks,
-                              stress_masks=_spec_stress_masks, estimate=_spec_estimate)
+                              stress_masks=_spec_stress_masks, estimate=_spec_estimate,
+                              meaning=_meaning)

@@ -172,9 +172,35 @@ def _stratified_times(key: Array, num_samples: int, batch: int) -> Array:
   return (jnp.arange(num_samples, dtype=jnp.float32)[:, None] + 1.0 - u) / num_samples
 
 
-def _safe_div(num: Array, den: Array) -> Array:
-  """num / den, 0 where den == 0 (empty completions score nothing)."""
+def safe_div(num: Array, den: Array) -> Array:
+  """num / den, 0 where den == 0 (empty completions and empty blocks score nothing)."""
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0.0)
+
+
+def complementary(masked: Array, eligible: Array, count: Array,
+                  length: Array) -> tuple[Array, Array, Array]:
+  """Each count-schedule mask followed by its complement (the coupled ELBO of both families).
+
+  With m uniform on {1..L}, a size-k set arises both as a mask and as a complement for k < L,
+  and only as a mask for k = L; so a row of size k < L gets half the weight L / k, a full mask
+  all of it, and the estimate stays unbiased.
+
+  Args:
+    masked: [R, ..., n] bool, the masks (R rows; n positions of a sequence or of a block).
+    eligible: [..., n] bool (broadcast against ``masked``), the positions a mask draws from.
+    count: [R, ...] their sizes m.
+    length: [..., ] broadcastable to ``count``, the eligible positions L.
+
+  Returns:
+    rows [2R, ..., n]: the masks, then their complements; counts [2R, ...]: the positions each
+    masks; shares [2R, ...]: the count that row's weight L / count divides by instead (2 m,
+    or m for a full mask).
+  """
+  complement = eligible & ~masked
+  count_c = length - count
+  halves = jnp.where(count_c > 0, 2.0, 1.0)
+  return (jnp.concatenate([masked, complement]), jnp.concatenate([count, count_c]),
+          jnp.concatenate([count * halves, count_c * 2.0]))
 
 
 # ---------------------------------------------------------------------------
@@ -193,8 +219,8 @@ def _mean_field_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   return MaskSample(
       noisy=noisy,
       scored=scored,
-      sum_scale=_safe_div(ones, jnp.full_like(ones, k) * (length > 0)),
-      mean_scale=_safe_div(ones, k * length[None]),
+      sum_scale=safe_div(ones, jnp.full_like(ones, k) * (length > 0)),
+      mean_scale=safe_div(ones, k * length[None]),
       rate=ones,
   )
 
@@ -250,22 +276,14 @@ def _elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
     count = count * (length[None] > 0)
     masked = _random_subset(key_mask, jnp.broadcast_to(completion_mask, (k,) + rank.shape),
                             count.astype(jnp.int32))
-    sum_scale = _safe_div(length[None], count) / k
-  mean_scale = _safe_div(jnp.ones_like(count), count) / k
-  rate = _safe_div(count, length[None])
-  if coupled:
-    # Pair each mask M (size m) with its complement (size L - m). With m
-    # uniform on {1..L}, a size-k mask appears twice as often for k < L as
-    # for k = L, so sizes k < L get half the weight L / k: still unbiased.
-    complement = completion_mask[None] & ~masked
-    count_c = length[None] - count
-    halves = jnp.where(count_c > 0, 2.0, 1.0)
-    masked = jnp.concatenate([masked, complement])
-    sum_scale = jnp.concatenate([_safe_div(length[None], count * halves),
-                                 _safe_div(length[None], count_c * 2.0)]) / k
-    mean_scale = jnp.concatenate([_safe_div(jnp.ones_like(count), count * halves),
-                                  _safe_div(jnp.ones_like(count), count_c * 2.0)]) / k
-    rate = jnp.concatenate([rate, _safe_div(count_c, length[None])])
+    sum_scale = safe_div(length[None], count) / k
+  mean_scale = safe_div(jnp.ones_like(count), count) / k
+  rate = safe_div(count, length[None])
+  if coupled:  # Each mask with its complement (``complementary``).
+    masked, counts, shares = complementary(masked, completion_mask[None], count, length[None])
+    sum_scale = safe_div(length[None], shares) / k
+    mean_scale = safe_div(jnp.ones_like(shares), shares) / k
+    rate = safe_div(counts, length[None])
   rows = masked.shape[0]
   noisy = (masked | past_completion(prompt_mask, completion_mask)[None]
            | _mask_prompt(key_prompt, prompt_mask, rows, prompt_mask_prob))
@@ -295,13 +313,13 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   masked = _random_subset(key_mask, jnp.broadcast_to(pool, (k,) + pool.shape),
                           count.astype(jnp.int32))
   complement = pool[None] & ~masked
-  scale = jnp.concatenate([_safe_div(length[None] + 1, 2 * count),
-                           _safe_div(length[None] + 1, 2 * (length[None] - count))]) / k
+  scale = jnp.concatenate([safe_div(length[None] + 1, 2 * count),
+                           safe_div(length[None] + 1, 2 * (length[None] - count))]) / k
   rows = jnp.concatenate([masked, complement])
   counts = jnp.concatenate([count, length[None] - count])
   return MaskSample(noisy=rows, scored=rows, sum_scale=scale,
-                    mean_scale=_safe_div(scale, length[None]),
-                    rate=_safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))
+                    mean_scale=safe_div(scale, length[None]),
+                    rate=safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))
 
 
 def _generation_blocks(prompt_mask: Array, completion_mask: Array,
@@ -357,9 +375,9 @@ def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   scored = noisy & completion_mask[None]
   scored_count = jnp.sum(scored, axis=-1).astype(jnp.float32)
   length_f = length[None].astype(jnp.float32)
-  mean_scale = _safe_div(jnp.ones_like(scored_count), scored_count) / k
+  mean_scale = safe_div(jnp.ones_like(scored_count), scored_count) / k
   return MaskSample(noisy=noisy, scored=scored, sum_scale=mean_scale * length_f,
-                    mean_scale=mean_scale, rate=_safe_div(scored_count, length_f))
+                    mean_scale=mean_scale, rate=safe_div(scored_count, length_f))
 
 
 def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask: Array,
@@ -387,10 +405,10 @@ def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask
   # form unbiased; dividing by L gives the per-token mean.
   count_f = count.astype(jnp.float32)
   total = (num_blocks[None] * block_size).astype(jnp.float32)
-  sum_scale = _safe_div(total, count_f) / k
-  mean_scale = _safe_div(total, count_f * length[None]) / k
+  sum_scale = safe_div(total, count_f) / k
+  mean_scale = safe_div(total, count_f * length[None]) / k
   return MaskSample(noisy=noisy, scored=masked, sum_scale=sum_scale,
-                    mean_scale=mean_scale, rate=_safe_div(count_f, total))
+                    mean_scale=mean_scale, rate=safe_div(count_f, total))
 
 
 # ---------------------------------------------------------------------------
@@ -634,7 +652,7 @@ def eubo_from_samples(token_logp: Array, masks, *, beta: float = 1.5) -> Array:
   terms = jnp.where(scored_any[None], terms, 0.0)
   per_token = (jax.nn.logsumexp(terms, axis=0) - jnp.log(rows)) / beta
   per_token = jnp.where(scored_any, per_token, 0.0)
-  return _safe_div(jnp.sum(per_token, axis=-1), jnp.sum(scored_any, axis=-1))
+  return safe_div(jnp.sum(per_token, axis=-1), jnp.sum(scored_any, axis=-1))
 
 
 # ---------------------------------------------------------------------------
@@ -676,9 +694,9 @@ def stress_masks(prompt_mask: Array, completion_mask: Array, *, mode: str,
   count = jnp.broadcast_to(count[None].astype(jnp.float32), (num_samples,) + count.shape)
   length_f = jnp.broadcast_to(length[None].astype(jnp.float32), count.shape)
   return MaskSample(noisy=masked | past[None], scored=masked,
-                    sum_scale=_safe_div(length_f, count) / num_samples,
-                    mean_scale=_safe_div(jnp.ones_like(count), count) / num_samples,
-                    rate=_safe_div(count, length_f))
+                    sum_scale=safe_div(length_f, count) / num_samples,
+                    mean_scale=safe_div(jnp.ones_like(count), count) / num_samples,
+                    rate=safe_div(count, length_f))
 
 
 def stress_selection(key: Array, batch_size: int, fraction: float) -> Array:
@@ -714,12 +732,48 @@ def select_masks(selected: Array, when_selected: MaskSample,
 
 
 @dataclasses.dataclass(frozen=True)
+class LikelihoodSpec:
+  """How an objective's likelihoods are estimated (static: hashable, no arrays).
+
+  Attributes:
+    method: estimator method ('mean_field', 'elbo', 'block_random').
+    num_samples: K Monte Carlo samples.
+    normalize: 'sum' or 'mean' (ignored at token level).
+    token_level: per-token log-probs [N, L] instead of per-sequence estimates.
+    eubo_beta: compute SPG's EUBO_beta from the same forward pass (None: no EUBO).
+    mask_id: the mask token id.
+    options: sorted (name, value) pairs for the estimator's mask sampler.
+    stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
+      (numerator) and "hard" (denominator) masks; None: no stress test.
+    family: the model family (``config.model.family``), whose record's ``Likelihood`` says how
+      its likelihoods are estimated (``training/rl_loss.py``).
+    block_size: the block size of a block diffusion model; None: full attention.
+    scored_suffix: full attention: every completion lies in the last ``scored_suffix``
+      positions (prompts left-padded to one length), so the model computes logits there
+      alone (``token_logprobs``); None: at every position.
+  """
+
+  method: str
+  num_samples: int
+  normalize: str
+  token_level: bool
+  eubo_beta: float | None
+  mask_id: int
+  options: tuple[tuple[str, Any], ...] = ()
+  stress_rates: tuple[float, float] | None = None
+  family: str = "llada"
+  block_size: int | None = None
+  scored_suffix: int | None = None
+
+
+
+@dataclasses.dataclass(frozen=True)
 class Likelihood:
   """How the sequence likelihoods of one kind of model are estimated.
 
   A model family's record (``models.Family.likelihood``) holds one; ``training/rl_loss.py``
-  consults only it. ``spec`` is the run's ``rl_loss.LikelihoodSpec`` (method, num_samples,
-  options, mask_id, normalize, block_size, scored_suffix).
+  consults only it. ``spec`` is the run's ``LikelihoodSpec`` (method, num_samples, options,
+  mask_id, normalize, block_size, scored_suffix).
 
   Attributes:
     methods: () -> the ``config.estimator.method`` values it takes.
@@ -729,6 +783,8 @@ class Likelihood:
       test's biased masks ('easy' or 'hard', docs/stress_test.md), ``num_rows`` rows.
     estimate: (logits_fn, tokens [B, L], prompt_mask, completion_mask, attention_mask, masks,
       spec) -> an estimate with ``value`` [B], ``token_logp`` [R, B, L] and ``masks``.
+    meaning: method -> what the method is for this kind of model when it is not what its name
+      says ('' when it is), e.g. a block model's 'block_random' is its block ELBO.
   """
 
   methods: Callable[[], tuple[str, ...]]
@@ -736,22 +792,24 @@ class Likelihood:
   masks: Callable[..., Any]
   stress_masks: Callable[..., Any]
   estimate: Callable[..., Any]
+  meaning: Callable[[str], str] = lambda method: ""
 
 
-def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array, spec: Any) -> MaskSample:
+def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array,
+                spec: LikelihoodSpec) -> MaskSample:
   return sample_masks(key, prompt_mask, completion_mask, method=spec.method,
                       num_samples=spec.num_samples, **dict(spec.options))
 
 
-def _spec_stress_masks(prompt_mask: Array, completion_mask: Array, spec: Any, *, mode: str,
-                       rate: float, num_rows: int) -> MaskSample:
+def _spec_stress_masks(prompt_mask: Array, completion_mask: Array, spec: LikelihoodSpec, *,
+                       mode: str, rate: float, num_rows: int) -> MaskSample:
   del spec
   return stress_masks(prompt_mask, completion_mask, mode=mode, rate=rate, num_samples=num_rows)
 
 
 def _spec_estimate(logits_fn: LogitsFn, tokens: Array, prompt_mask: Array,
                    completion_mask: Array, attention_mask: Array, masks: MaskSample,
-                   spec: Any) -> Estimate:
+                   spec: LikelihoodSpec) -> Estimate:
   del attention_mask  # Bound into logits_fn by the family's likelihood_fn.
   return estimate_logp(logits_fn, tokens, prompt_mask, completion_mask, None,
                        method=spec.method, mask_id=spec.mask_id, normalize=spec.normalize,

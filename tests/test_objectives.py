@@ -471,9 +471,10 @@ def test_the_adaptive_clip_state_moves_inside_jit_as_its_controller_says():
 
 
 def _run(objective, hparams):
-  from stabledrl_jax.training import rl_loss, run_spec
-  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
-                                token_level=False, eubo_beta=None, mask_id=0)
+  from stabledrl_jax import estimators
+  from stabledrl_jax.training import run_spec
+  spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
+                                   token_level=False, eubo_beta=None, mask_id=0)
   return run_spec.RunSpec(objective=objective, hparams=hparams, likelihood=spec, group_size=2,
                           gen_length=4)
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stabledrl_jax import block_estimators, models
+from stabledrl_jax import block_estimators, estimators, models
 from stabledrl_jax.training import data, metrics_writer, rl_loss
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import supervised, train_step, trainer
@@ -43,6 +43,20 @@ def sdar_config(**updates):
 def test_bad_sdar_config_values_name_the_field(field, value, match):
   with pytest.raises(ValueError, match=match.replace(".", r"\.")):
     specs.validate(sdar_config(**{field: value}), num_devices=1)
+
+
+def test_an_estimator_name_that_means_the_block_elbo_says_so():
+  """On SDAR every sampled estimator is the block ELBO: refused options and the start-up note
+  say it; on LLaDA the names mean what they say (no note)."""
+  config = sdar_config(**{"estimator.method": "block_random", "estimator.block_length": 8})
+  with pytest.raises(ValueError, match=r"estimator\.block_length: the 'block_random' estimator "
+                     r"of a sdar model \(the block ELBO: every block scored in one staircase"):
+    specs.validate(config, num_devices=1)
+  note = specs.estimator_note(sdar_config(**{"estimator.method": "espo_elbo"}))
+  assert note.startswith("note: estimator.method='espo_elbo' on a sdar model is the block ELBO")
+  assert "whole-block mean field" in specs.estimator_note(
+      sdar_config(**{"estimator.method": "mean_field"}))
+  assert specs.estimator_note(tiny_config(**{"estimator.method": "block_random"})) == ""
 
 
 def test_bad_family_fails_before_anything_is_built(tmp_path):
@@ -158,9 +172,9 @@ def test_sdar_stress_masks_differ_only_on_the_stressed_samples():
   model = models.SDAR(model_config, rngs=nnx.Rngs(0))
   batch = _sdar_batch(model_config, seed=1)
   stressed = np.asarray(batch.stressed)
-  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=2, normalize="sum", token_level=False,
-                                eubo_beta=1.5, mask_id=model_config.mask_token_id,
-                                stress_rates=(0.1, 1.0), family="sdar", block_size=4)
+  spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="sum", token_level=False,
+                                   eubo_beta=1.5, mask_id=model_config.mask_token_id,
+                                   stress_rates=(0.1, 1.0), family="sdar", block_size=4)
   @nnx.jit
   def estimates(model):  # One compilation for the three.
     logits_fn = rl_loss.model_logits_fn(model, batch.attention_mask)

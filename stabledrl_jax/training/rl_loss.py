@@ -3,7 +3,8 @@
 Pure functions of (logits function, arrays, PRNG key, static specs). The model
 enters only through ``logits_fn``; the trainer supplies it from NNX parameters.
 
-The likelihoods are estimated the way the model's family says (``LikelihoodSpec.family`` names
+The likelihoods are estimated the way the model's family says (``estimators.LikelihoodSpec.family``
+names
 it; its record's ``likelihood`` is an ``estimators.Likelihood``): the Monte Carlo estimators of
 ``estimators.py`` for a full-attention model (LLaDA), ``logits_fn`` its logits; the block
 estimators of ``block_estimators.py`` for a block diffusion model (SDAR), ``logits_fn`` its
@@ -26,7 +27,6 @@ through the clean stream), and ``schedule`` / ``block_length`` /
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import flax.struct
@@ -64,41 +64,6 @@ class RolloutBatch:
   stressed: Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class LikelihoodSpec:
-  """How an objective's likelihoods are estimated (static: hashable, no arrays).
-
-  Attributes:
-    method: estimator method ('mean_field', 'elbo', 'block_random').
-    num_samples: K Monte Carlo samples.
-    normalize: 'sum' or 'mean' (ignored at token level).
-    token_level: per-token log-probs [N, L] instead of per-sequence estimates.
-    eubo_beta: compute SPG's EUBO_beta from the same forward pass (None: no EUBO).
-    mask_id: the mask token id.
-    options: sorted (name, value) pairs for the estimator's mask sampler.
-    stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
-      (numerator) and "hard" (denominator) masks; None: no stress test.
-    family: the model family (``config.model.family``), whose record says how its
-      likelihoods are estimated (see the module docstring).
-    block_size: the block size of a block diffusion model; None: full attention.
-    scored_suffix: full attention: every completion lies in the last ``scored_suffix``
-      positions (prompts left-padded to one length), so the model computes logits there
-      alone (``estimators.token_logprobs``); None: at every position.
-  """
-
-  method: str
-  num_samples: int
-  normalize: str
-  token_level: bool
-  eubo_beta: float | None
-  mask_id: int
-  options: tuple[tuple[str, Any], ...] = ()
-  stress_rates: tuple[float, float] | None = None
-  family: str = "llada"
-  block_size: int | None = None
-  scored_suffix: int | None = None
-
-
 def model_logits_fn(model: Callable[..., Array],
                     attention_mask: Array) -> Callable[..., Array]:
   """The model as ``estimate`` sees it, the [B, L] attention mask bound: its family's
@@ -106,11 +71,11 @@ def model_logits_fn(model: Callable[..., Array],
   return family_lib.likelihood_fn(model, attention_mask)
 
 
-def _likelihood(spec: LikelihoodSpec) -> estimators.Likelihood:
+def _likelihood(spec: estimators.LikelihoodSpec) -> estimators.Likelihood:
   return family_lib.get(spec.family).likelihood
 
 
-def _logp_and_eubo(details: Any, spec: LikelihoodSpec) -> tuple[Array, Array | None]:
+def _logp_and_eubo(details: Any, spec: estimators.LikelihoodSpec) -> tuple[Array, Array | None]:
   """What ``estimate`` returns, from the scored masks and their token log-probs."""
   if spec.token_level:
     scored = details.masks.scored.astype(jnp.float32)
@@ -124,7 +89,7 @@ def _logp_and_eubo(details: Any, spec: LikelihoodSpec) -> tuple[Array, Array | N
   return logp, eubo
 
 
-def estimator_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
+def estimator_masks(batch: RolloutBatch, key: Array, spec: estimators.LikelihoodSpec,
                     stress_mode: str | None = None) -> Any:
   """The masks of one estimate: fresh ones from ``key``, or stress-test ones.
 
@@ -148,7 +113,7 @@ def estimator_masks(batch: RolloutBatch, key: Array, spec: LikelihoodSpec,
 
 
 def estimate(logits_fn: Callable[..., Array], batch: RolloutBatch, key: Array | None,
-             spec: LikelihoodSpec, stress_mode: str | None = None,
+             spec: estimators.LikelihoodSpec, stress_mode: str | None = None,
              masks: Any = None) -> tuple[Array, Array | None]:
   """Likelihood estimates of the batch's completions.
 
@@ -166,7 +131,8 @@ def estimate(logits_fn: Callable[..., Array], batch: RolloutBatch, key: Array | 
 
 
 def _details(logits_fn: Callable[..., Array], batch: RolloutBatch, key: Array | None,
-             spec: LikelihoodSpec, stress_mode: str | None = None, masks: Any = None) -> Any:
+             spec: estimators.LikelihoodSpec, stress_mode: str | None = None,
+             masks: Any = None) -> Any:
   if masks is None:
     masks = estimator_masks(batch, key, spec, stress_mode)
   return _likelihood(spec).estimate(logits_fn, batch.tokens, batch.prompt_mask,
@@ -179,7 +145,7 @@ def _masked_row_mean(x: Array, mask: Array) -> Array:
 
 
 def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key: Array, *,
-                   spec: LikelihoodSpec, objective: str, hparams: Any, group_size: int,
+                   spec: estimators.LikelihoodSpec, objective: str, hparams: Any, group_size: int,
                    gen_length: int, use_reference: bool,
                    objective_state: Any = None) -> tuple[Array, dict[str, Array]]:
   """The objective's (loss, metrics) on fresh estimates under the current parameters.
@@ -215,8 +181,8 @@ def objective_loss(logits_fn: Callable[[Array], Array], batch: RolloutBatch, key
   return loss, metrics
 
 
-def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec: LikelihoodSpec,
-                     use_reference: bool, state: Any = None,
+def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None,
+                     spec: estimators.LikelihoodSpec, use_reference: bool, state: Any = None,
                      gen_length: int | None = None) -> objectives.ObjectiveInputs:
   """What an objective sees of a batch, given its fresh estimates under pi_theta."""
   return objectives.ObjectiveInputs(
@@ -229,7 +195,7 @@ def objective_inputs(batch: RolloutBatch, logp: Array, eubo: Array | None, spec:
 
 def surrogate_gradient_norms(logits_fn_of: Callable[[Any, Array], Callable[[Array], Array]],
                              params: Any, batch: RolloutBatch, key: Array, *,
-                             spec: LikelihoodSpec,
+                             spec: estimators.LikelihoodSpec,
                              surrogate: Callable[[objectives.ObjectiveInputs], Array]) -> Array:
   """[N] ||grad_theta s_j||, per sample: max_j |A_j| times these bounds StableDRL's gradient
   norm (docs/algorithms.md).

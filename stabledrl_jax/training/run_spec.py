@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from stabledrl_jax import objectives
-from stabledrl_jax.training import rl_loss
+from stabledrl_jax import estimators, objectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +21,7 @@ class RunSpec:
   Attributes:
     objective: the registered objective's name (``objectives.get_objective``).
     hparams: its hyperparameters (its frozen dataclass, defaults and config overrides).
-    likelihood: how the likelihoods are estimated (``rl_loss.LikelihoodSpec``).
+    likelihood: how the likelihoods are estimated (``estimators.LikelihoodSpec``).
     group_size: G, completions per prompt.
     gen_length: L, the generation length.
     num_microbatches: gradient-accumulation microbatches per update (whole groups each).
@@ -36,7 +35,7 @@ class RunSpec:
 
   objective: str
   hparams: Any
-  likelihood: rl_loss.LikelihoodSpec
+  likelihood: estimators.LikelihoodSpec
   group_size: int
   gen_length: int
   num_microbatches: int = 1

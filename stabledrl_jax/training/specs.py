@@ -18,10 +18,10 @@ from typing import Any
 
 import ml_collections
 
-from stabledrl_jax import hub, objectives, tasks
+from stabledrl_jax import estimators, hub, objectives, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
-from stabledrl_jax.training import data, rl_loss, run_spec
+from stabledrl_jax.training import data, run_spec
 
 # Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
 # takes the objective's official value (``objectives.Objective.estimator``). A plugin method's
@@ -411,9 +411,21 @@ def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Fa
     value = config.estimator.get(field)
     if field in _OBJECTIVE_ESTIMATOR_FIELDS or field == "method":
       continue
+    meaning = likelihood.meaning(method)
     _require(value is None or value == "" or field in taken, f"estimator.{field}",
-             f"the {method!r} estimator of a {family.name} model takes no {field!r} (it takes "
-             f"{taken or 'none'}); unset it")
+             f"the {method!r} estimator of a {family.name} model"
+             + (f" ({meaning})" if meaning else "")
+             + f" takes no {field!r} (it takes {taken or 'none'}); unset it")
+
+
+def estimator_note(config: ml_collections.ConfigDict) -> str:
+  """A line saying what ``estimator.method`` is for the configured model family when it is not
+  what its name says (a block model's names all mean its block ELBO or mean field), else ''."""
+  family = family_lib.get(config.model.family)
+  method = estimator_settings(config)["method"]
+  meaning = family.likelihood.meaning(method)
+  return (f"note: estimator.method={method!r} on a {family.name} model is {meaning}"
+          if meaning else "")
 
 
 def microbatch_groups_for(config: ml_collections.ConfigDict, ways: int) -> list[int]:
@@ -429,7 +441,8 @@ def num_microbatches(config: ml_collections.ConfigDict) -> int:
   return config.rollout.num_prompts // groups
 
 
-def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any) -> rl_loss.LikelihoodSpec:
+def likelihood_spec(config: ml_collections.ConfigDict,
+                    model_config: Any) -> estimators.LikelihoodSpec:
   """The static estimator settings of the configured objective for a model of ``model_config``
   (its family estimates the likelihoods: see ``rl_loss``)."""
   name = config.objective.name
@@ -444,7 +457,7 @@ def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any) -> rl_
     stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
   objective, params = objectives.get_objective(name), objective_params(config)
   block_size = family.block_size(model_config)
-  return rl_loss.LikelihoodSpec(
+  return estimators.LikelihoodSpec(
       method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
       token_level=objective.token_level(params), eubo_beta=objective.eubo_beta(params),
       mask_id=model_config.mask_token_id, options=tuple(sorted(options.items())),

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from stabledrl_jax import estimators
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.training import rl_loss
 
@@ -39,10 +40,10 @@ def sft_loss(model: nnx.Module, tokens: Array, prompt_mask: Array, completion_ma
   Left padding (neither prompt nor completion) is hidden from attention.
   """
   attention_mask = prompt_mask | completion_mask
-  spec = rl_loss.LikelihoodSpec(method="elbo", num_samples=1, normalize="sum", token_level=False,
-                                eubo_beta=None, mask_id=mask_id,
-                                family=family_lib.of(model).name,
-                                block_size=family_lib.block_size(model))
+  spec = estimators.LikelihoodSpec(method="elbo", num_samples=1, normalize="sum",
+                                   token_level=False, eubo_beta=None, mask_id=mask_id,
+                                   family=family_lib.of(model).name,
+                                   block_size=family_lib.block_size(model))
   zeros = jnp.zeros(tokens.shape[:1], jnp.float32)
   batch = rl_loss.RolloutBatch(tokens=tokens, prompt_mask=prompt_mask,
                                completion_mask=completion_mask, attention_mask=attention_mask,

@@ -436,6 +436,9 @@ class Trainer:
     self.graphdef, params = nnx.split(model, nnx.Param)
     # The reference for KL terms is the start of RL, frozen.
     self.run_spec = specs.resolve_run(config, self.model_config)
+    note = specs.estimator_note(config)
+    if note and self.primary:
+      print(note, file=sys.stderr, flush=True)
     self.ref_params = params if self.run_spec.uses_reference else None
     self.start_params = params if config.diagnostics.get("kl_to_start", False) else None
     self.rollouts = rollout_lib.RolloutCollector(

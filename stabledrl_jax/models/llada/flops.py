@@ -86,7 +86,7 @@ def train_flops(config: ModelConfig, batch: int, length: int, *, span: int | Non
   """Matmul FLOPs of forward + backward over [batch, length] tokens.
 
   ``span``: logits (and the last block's queries) for the last ``span`` positions only, as the
-  likelihood estimators compute them (``rl_loss.LikelihoodSpec.scored_suffix``); None: all L.
+  likelihood estimators compute them (``estimators.LikelihoodSpec.scored_suffix``); None: all L.
   """
   logits = length if span is None else span
   blocks = forward_flops(config, batch, length, span=span) - batch * head_flops(config, logits)
