@@ -209,8 +209,8 @@ def sampler_case(name: str, model: nnx.Module, w: Workload, temperature: float) 
 
   def sample(state, prompt, key):
     return llada_sampler.generate(nnx.merge(graphdef, state), prompt, key=key,
-                             gen_length=w.gen_length, steps=w.steps,
-                             block_length=w.block_length, temperature=temperature)
+                                  gen_length=w.gen_length, steps=w.steps,
+                                  block_length=w.block_length, temperature=temperature)
 
   compiled, memory = _compiled(jax.jit(sample), state, prompt, key)
   per_step = flops_lib.forward_flops(model.config, w.sequences, w.length, span=w.block_length)

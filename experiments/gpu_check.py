@@ -366,10 +366,10 @@ def sampler_row(ctx: Context, cache: str, remasking: str, model, prompt) -> dict
 
   def sample(state, prompt, key):
     return llada_sampler.generate(nnx.merge(graphdef, state), prompt, key=key,
-                             gen_length=s["gen_length"], steps=s["steps"],
-                             block_length=s["block_length"], temperature=s["temperature"],
-                             remasking=remasking, threshold=s["threshold"], cache=cache,
-                             return_reveal_step=True, return_stats=True)
+                                  gen_length=s["gen_length"], steps=s["steps"],
+                                  block_length=s["block_length"], temperature=s["temperature"],
+                                  remasking=remasking, threshold=s["threshold"], cache=cache,
+                                  return_reveal_step=True, return_stats=True)
 
   compiled, memory = benchmark._compiled(jax.jit(sample), state, prompt, key)  # pylint: disable=protected-access
   call = lambda: compiled(state, prompt, key)

@@ -174,7 +174,7 @@ class RolloutCollector:
   def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
     """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""
     return np.asarray(sampler_lib.completion_mask(tokens, self.config.rollout.prompt_length,
-                                               self.stop_ids))
+                                                  self.stop_ids))
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, completion: np.ndarray,
                  advantages: np.ndarray, stressed: np.ndarray | None = None, *,
