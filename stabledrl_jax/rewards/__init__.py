@@ -9,6 +9,10 @@ Host-side, pure Python: no JAX, cheap to import (math-verify is imported on firs
 - `extraction`, `math_equivalence`: shared answer extraction and normalization.
 
 Every reward accepts any string as the completion and returns a finite float.
+
+To add a reward: a function of the completion string (and the answer fields it needs) here,
+made a term of a task's reward scheme with ``tasks.base.RewardTerm``; a test that feeds it
+garbled and hostile strings.
 """
 
 from stabledrl_jax.rewards.arithmetic import evaluate_arithmetic

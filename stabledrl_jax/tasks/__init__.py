@@ -10,6 +10,12 @@ Offline, at any size: `CountdownGenerator(size, seed)`, `SudokuGenerator(size, s
 Batches: `DataIterator(examples, batch_size, seed=...)`, with `state()` / `restore()`.
 
 Host-side only: nothing here imports JAX.
+
+Modules: ``base`` (``Example``, ``Task``, the registry and prompt styles), one module per task
+(``countdown``, ``sudoku``, ``gsm8k``, ``math500``: prompt, reward terms, d1 score, dataset
+records, generator), ``records`` (dataset files and the Hub), ``iteration`` (``DataIterator``).
+To add a task: a module that builds a ``Task`` and calls ``register_task``, imported below
+(docs/tasks.md).
 """
 
 from __future__ import annotations
