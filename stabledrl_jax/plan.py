@@ -30,7 +30,7 @@ back to XLA:CPU on as many fake CPU devices as the slice has (set before JAX sta
 backend; the command does it): an upper bound (XLA:CPU upcasts bf16 products to f32 and keeps
 more alive), marked ``"compiler": "cpu"``.
 
-Times are projections, not measurements: ``profiling.rl_step_flops_of_config`` counts one RL
+Times are projections, not measurements: ``rl_step_flops`` counts one RL
 step's matmul FLOPs (rollout, scoring, updates), and the step time is that over the slice's chips
 x bf16 peak x ``--mfu``. (XLA's ``cost_analysis()`` counts a loop body once, so its FLOPs of
 these programs, whose layers and steps are loops, are not used.)
@@ -574,13 +574,24 @@ class Store:
 # ---- time projections --------------------------------------------------------------------------
 
 
+def rl_step_flops(config, *, cache: str | None = None) -> dict[str, Any]:
+  """The analytic FLOPs of one RL step of a trainer config (``profiling.rl_step_flops_of_run``
+  of its model config and run spec), by part."""
+  from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  model_cfg = specs.model_config(config)
+  return profiling.rl_step_flops_of_run(model_cfg, config.rollout,
+                                        specs.resolve_run(config, model_cfg),
+                                        num_iterations=config.train.num_iterations, cache=cache)
+
+
 def projection(config, *, config_label: str, overrides: list[str], topology: str,
                mfu: float) -> dict[str, Any]:
   """One RL step's analytic FLOPs and its time on ``topology`` at ``mfu`` (a projection)."""
   from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
   name = topology_name(topology)
   chips, peak = _chips(name), profiling.TPU_CHIP_PEAK_FLOPS[_generation(name)]
-  flops = profiling.rl_step_flops_of_config(config)
+  flops = rl_step_flops(config)
   step = profiling.projected_step_time(flops["total"], chips, peak, mfu)
   steps = int(config.train.num_steps)
   return dict(config=config_label, overrides=overrides, topology=topology, topology_name=name,
@@ -638,7 +649,7 @@ def markdown(data: dict[str, Any]) -> str:
   projections = data.get("projections", [])
   if projections:
     lines += ["", "Projected time (analytic FLOPs at the stated MFU, not measured; "
-              "`profiling.rl_step_flops_of_config`):", "",
+              "`plan.rl_step_flops`):", "",
               "| config | slice | step PFLOP (rollout + scoring + updates) | MFU | "
               "step s | hours for the run's steps |", "|---|---|---|---:|---:|---:|"]
     for p in projections:

@@ -152,8 +152,9 @@ def _flops_shapes(model_cfg: Any) -> Any:
       embedding_size=model_cfg.vocab_size, remat=False)
 
 
-def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[str, Any]:
-  """The analytic matmul FLOPs of one RL step of ``config`` (a trainer config), by part.
+def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iterations: int,
+                         cache: str | None = None) -> dict[str, Any]:
+  """The analytic matmul FLOPs of one RL step, by part (``plan.rl_step_flops`` from a config).
 
   Counted with ``models.llada.flops`` (every matrix product at 2 FLOPs per multiply-add,
   attention included; SDAR's Qwen3 blocks have the same products), for the P x G rollout rows of
@@ -178,7 +179,11 @@ def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[st
   Not counted: elementwise work, the optimizer, reward scoring on the host.
 
   Args:
-    config: the trainer config (``config_lib``); the model shapes from ``specs.model_config``.
+    model_cfg: the model's config (LLaDA's or SDAR's).
+    rollout: the rollout settings (``config.rollout``: prompts, group size, lengths, steps,
+      block length, cache).
+    run: the run spec (``training/run_spec.RunSpec``: K samples, coupling, l_old, reference).
+    num_iterations: mu, the updates per step (``train.num_iterations``).
     cache: the sampler's cache (default ``rollout.cache``).
 
   Returns:
@@ -186,20 +191,16 @@ def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[st
     "scoring_passes" (the sets of K), "num_samples" (K).
   """
   from stabledrl_jax.models.llada import flops  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax import objectives  # pylint: disable=g-import-not-at-top
 
-  model_cfg = specs.model_config(config)
   shapes = _flops_shapes(model_cfg)
   sdar = not hasattr(model_cfg, "d_model")
-  r = config.rollout
+  r = rollout
   rows, prompt, gen = r.num_prompts * r.group_size, r.prompt_length, r.gen_length
   length = prompt + gen
   cache = r.get("cache", "none") if cache is None else cache
   steps = r.steps
-  settings = specs.estimator_settings(config)
-  k = int(settings["num_samples"])
-  mu = int(config.train.num_iterations)
+  k = int(run.likelihood.num_samples)
+  mu = int(num_iterations)
   if sdar:
     bs = model_cfg.block_size
     blocks = -(-length // bs) - prompt // bs  # The blocks after the prompt's full ones.
@@ -232,9 +233,8 @@ def rl_step_flops_of_config(config: Any, *, cache: str | None = None) -> dict[st
         rollout += full + (per_block - 1) * cached
     forward = k * flops.forward_flops(shapes, rows, length, span=gen)
     train = k * flops.train_flops(shapes, rows, length, span=gen)
-  objective = objectives.get_objective(config.objective.name)
-  sets = mu if settings.get("coupled_ratio") else 1
-  passes = sets * (int("old_logp" in objective.requires) + int(specs.uses_reference(config)))
+  sets = mu if run.coupled_ratio else 1
+  passes = sets * (int(run.needs_old) + int(run.uses_reference))
   out = dict(rollout=float(rollout), scoring=float(passes * forward), updates=float(mu * train))
   out["total"] = out["rollout"] + out["scoring"] + out["updates"]
   out.update(sampler_calls=int(steps), scoring_passes=int(passes), num_samples=k)

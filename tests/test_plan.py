@@ -197,7 +197,7 @@ def _independent_count(config):
 
 def test_rl_step_flops_against_an_independent_count():
   config = config_lib.get("llada8b_gsm8k")
-  got = profiling.rl_step_flops_of_config(config)
+  got = plan.rl_step_flops(config)
   rollout, scoring, updates = _independent_count(config)
   # StableDRL: l_old once per step (independent ratio), no reference; K = 2, mu = 2.
   assert got["scoring_passes"] == 1 and got["num_samples"] == 2 and got["sampler_calls"] == 128
@@ -207,7 +207,7 @@ def test_rl_step_flops_against_an_independent_count():
     assert abs(got[part] / want - 1) < 0.05, (part, got[part] / want)
   assert got["total"] == got["rollout"] + got["scoring"] + got["updates"]
   # The dual cache: every block's later calls run only the block's 32 positions.
-  dual = profiling.rl_step_flops_of_config(config, cache="dual")
+  dual = plan.rl_step_flops(config, cache="dual")
   assert dual["rollout"] < got["rollout"] / 4 and dual["updates"] == got["updates"]
   # A 1000-step run on 64 v5e chips at 40% MFU.
   seconds = profiling.projected_step_time(got["total"], 64, 197e12, 0.4)
@@ -218,7 +218,7 @@ def test_rl_step_flops_against_an_independent_count():
 
 def test_sdar_step_flops_count_the_staircase_and_the_cached_sampler():
   config = config_lib.get("sdar8b_math")
-  got = profiling.rl_step_flops_of_config(config)
+  got = plan.rl_step_flops(config)
   m = specs.model_config(config)
   n = m.num_hidden_layers * (2 * m.hidden_size * m.num_attention_heads * m.head_dim
                              + 2 * m.hidden_size * m.num_key_value_heads * m.head_dim

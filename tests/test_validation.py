@@ -91,6 +91,33 @@ def test_the_objective_sections_are_the_registered_hyperparameters():
       assert section.get_type(field.name) is type(field.default), (objective.name, field.name)
 
 
+def test_the_estimator_options_are_the_registered_samplers_keyword_arguments():
+  """config.estimator's sampler options are generated from estimators.py's source: exactly the
+  keyword-only arguments of its registered methods (imported here, read there with ast), each
+  unset and typed like the argument's default."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import estimators  # pylint: disable=g-import-not-at-top
+  registry = estimators._METHODS  # pylint: disable=protected-access
+  shipped = [m for m in estimators.methods()
+             if registry[m].__module__ == "stabledrl_jax.estimators"]
+  assert set(shipped) == {"mean_field", "elbo", "block_random", "block_random_unbiased",
+                          "espo_elbo"}
+  defaults = {}
+  for method in shipped:
+    for name, param in inspect.signature(registry[method]).parameters.items():
+      if param.kind is inspect.Parameter.KEYWORD_ONLY:
+        defaults.setdefault(name, param.default)
+  fields = config_lib.estimator_option_fields()
+  assert set(fields) == set(defaults) == {"block_length", "prompt_mask_prob", "schedule",
+                                          "coupled"}
+  section = config_lib.base_config().estimator
+  for name, default in defaults.items():
+    if isinstance(default, str):
+      assert section[name] == ""
+    else:
+      assert section[name] is None and section.get_type(name) is type(default), name
+
+
 def test_every_float_hyperparameter_of_every_objective_refuses_nan_and_infinity():
   params = objective_float_hparams()
   assert ("grpo", "epsilon_low") in params and ("espo", "beta") in params

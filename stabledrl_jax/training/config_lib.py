@@ -15,6 +15,7 @@ import difflib
 import importlib.util
 import os
 import pathlib
+from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
@@ -101,15 +102,14 @@ def base_config() -> ml_collections.ConfigDict:
   # For SDAR the methods are block estimators (rl_loss's docstring): elbo and block_random the
   # block ELBO, mean_field whole blocks masked; block_length, prompt_mask_prob and schedule
   # do not apply.
+  # The mask samplers' options (block_length, prompt_mask_prob, schedule, coupled) are generated
+  # from the registered methods' keyword-only arguments (``estimator_option_fields``).
   c.estimator = ml_collections.ConfigDict(dict(
       method="",
       num_samples=config_dict.placeholder(int),
       normalize="",
       coupled_ratio=config_dict.placeholder(bool),
-      block_length=config_dict.placeholder(int),
-      prompt_mask_prob=config_dict.placeholder(float),
-      schedule="",
-      coupled=config_dict.placeholder(bool),
+      **estimator_option_fields(),
       # Stress test (docs/stress_test.md): in this fraction of the samples (0: off), l_theta uses
       # "easy" masks (the last ceil(easy_rate * L) completion tokens, t_min) and l_old "hard"
       # ones (the first ceil(hard_rate * L), t_max), so that log rho explodes.
@@ -191,6 +191,26 @@ def objective_sections() -> dict[str, ml_collections.ConfigDict]:
             fields[item.target.id] = config_dict.placeholder(kind)
       sections[call.args[0].value] = ml_collections.ConfigDict(fields)
   return sections
+
+
+def estimator_option_fields() -> dict[str, Any]:
+  """{option: unset placeholder} for every keyword-only argument of the mask samplers that
+  ``stabledrl_jax/estimators.py`` registers (``register_method(name, sampler)``), typed by its
+  annotation ('' for a string), so that each option is listed once, in its sampler's signature.
+
+  Read from the module's source (``ast``), not imported: loading a config loads no JAX. A
+  plugin method's own options are fields a config file adds (tests/test_plugins.py).
+  """
+  tree = ast.parse((_package_dir("estimators").with_suffix(".py")).read_text())
+  functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+  fields = {}
+  for call in ast.walk(tree):
+    if (isinstance(call, ast.Call) and _called_name(call.func) == "register_method"
+        and len(call.args) == 2 and isinstance(call.args[1], ast.Name)):
+      for arg in functions[call.args[1].id].args.kwonlyargs:
+        kind = _PLACEHOLDER_TYPES[ast.unparse(arg.annotation)]
+        fields.setdefault(arg.arg, "" if kind is str else config_dict.placeholder(kind))
+  return fields
 
 
 def _called_name(node: ast.AST) -> str:

@@ -159,13 +159,16 @@ def token_level(config: ml_collections.ConfigDict) -> bool:
   return objectives.get_objective(config.objective.name).token_level(objective_params(config))
 
 
-def estimator_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def estimator_settings(config: ml_collections.ConfigDict, hparams: Any = None) -> dict[str, Any]:
   """The estimator fields, each unset one (None or '') filled in from the objective's official
-  settings (``objectives.Objective.estimator``), then from the estimator's own defaults."""
+  settings (``objectives.Objective.estimator``), then from the estimator's own defaults.
+
+  ``hparams``: the objective's hyperparameters when already resolved (``objective_params``).
+  """
   objective = objectives.get_objective(config.objective.name)
   settings = {"normalize": "mean", "block_length": _DEFAULT_BLOCK_LENGTH,
               "coupled_ratio": False, "num_samples": 1}
-  official = objective.estimator(objective_params(config))
+  official = objective.estimator(objective_params(config) if hparams is None else hparams)
   if config.estimator.method and config.estimator.method != official["method"]:
     # Another method than the official one: its options keep their own defaults.
     official = {k: v for k, v in official.items() if k in _OBJECTIVE_ESTIMATOR_FIELDS}
@@ -441,12 +444,14 @@ def num_microbatches(config: ml_collections.ConfigDict) -> int:
   return config.rollout.num_prompts // groups
 
 
-def likelihood_spec(config: ml_collections.ConfigDict,
-                    model_config: Any) -> estimators.LikelihoodSpec:
+def likelihood_spec(config: ml_collections.ConfigDict, model_config: Any, hparams: Any = None,
+                    settings: dict[str, Any] | None = None) -> estimators.LikelihoodSpec:
   """The static estimator settings of the configured objective for a model of ``model_config``
-  (its family estimates the likelihoods: see ``rl_loss``)."""
+  (its family estimates the likelihoods: see ``rl_loss``); ``hparams`` and ``settings`` when
+  already resolved (``objective_params``, ``estimator_settings``)."""
   name = config.objective.name
-  settings = estimator_settings(config)
+  params = objective_params(config) if hparams is None else hparams
+  settings = estimator_settings(config, params) if settings is None else settings
   method, e = settings["method"], config.estimator
   family = family_lib.of(model_config)
   options = {k: settings[k] for k in family.likelihood.options(method) if k in settings}
@@ -455,7 +460,7 @@ def likelihood_spec(config: ml_collections.ConfigDict,
   stress_rates = None
   if e.stress.fraction > 0:
     stress_rates = (float(e.stress.easy_rate), float(e.stress.hard_rate))
-  objective, params = objectives.get_objective(name), objective_params(config)
+  objective = objectives.get_objective(name)
   block_size = family.block_size(model_config)
   return estimators.LikelihoodSpec(
       method=method, num_samples=settings["num_samples"], normalize=settings["normalize"],
@@ -469,12 +474,14 @@ def likelihood_spec(config: ml_collections.ConfigDict,
 def resolve_run(config: ml_collections.ConfigDict, model_config: Any) -> run_spec.RunSpec:
   """The run spec of a (validated) ``config`` for a model of ``model_config``: everything the
   update and the scoring take from the config, derived once."""
+  objective, hparams = objectives.get_objective(config.objective.name), objective_params(config)
+  settings = estimator_settings(config, hparams)
   return run_spec.RunSpec(
-      objective=config.objective.name, hparams=objective_params(config),
-      likelihood=likelihood_spec(config, model_config),
+      objective=config.objective.name, hparams=hparams,
+      likelihood=likelihood_spec(config, model_config, hparams, settings),
       group_size=config.rollout.group_size, gen_length=config.rollout.gen_length,
       num_microbatches=num_microbatches(config),
-      coupled_ratio=bool(estimator_settings(config)["coupled_ratio"]),
-      uses_reference=uses_reference(config), baseline=advantage_baseline(config),
+      coupled_ratio=bool(settings["coupled_ratio"]),
+      uses_reference=objective.uses_reference(hparams), baseline=advantage_baseline(config),
       scale_advantages_by_std=bool(config.objective.scale_advantages_by_std),
       gradient_bound=bool(config.train.gradient_bound))
