@@ -248,7 +248,10 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Famil
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-  """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled."""
+  """Raises ValueError naming the first bad field. Cheap: nothing is built or compiled.
+
+  ``num_devices``: also check that the batches split over the mesh of that many devices.
+  """
   _numbers(config)
   name = config.objective.name
   _require(name in objectives.objective_names(), "objective.name",
@@ -259,6 +262,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     except ValueError as err:
       raise ValueError(f"config.tokenizer.alphabet: {err}") from None
   family, named = _validate_model(config)
+  _validate_rollout(config, family, named)
+  _validate_objective(config, family)
+  _validate_schedule(config)
+  _validate_data(config)
+  _validate_logging(config)
+  _validate_task_data(config)
+  if num_devices is not None:
+    _validate_mesh(config, num_devices)
+
+
+def _validate_rollout(config: ml_collections.ConfigDict, family: family_lib.Family,
+                      named: Any) -> None:
+  """The rollout shapes, the layout ``named`` (the model config, unless a checkpoint gives it
+  later) decodes, and the family's remasking rules and caches."""
   r = config.rollout
   for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
                 "block_length"):
@@ -270,6 +287,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(r.get("cache", "none") in family.caches, "rollout.cache",
            f"{r.get('cache')!r} is not one of {family.caches} (model.family={family.name!r})")
+
+
+def _validate_objective(config: ml_collections.ConfigDict, family: family_lib.Family) -> None:
+  """The objective's hyperparameters, its estimator, the stress test and the advantages."""
+  r = config.rollout
   objective_params(config)  # Its own checks, naming the field.
   _validate_estimator(config, family)
   stress = config.estimator.stress
@@ -283,6 +305,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(r.group_size >= 2, "rollout.group_size",
            f"{r.group_size}: the advantages are relative to the group, so a group of one "
            "gives every completion advantage 0 and nothing is learned; use at least 2")
+
+
+def _validate_schedule(config: ml_collections.ConfigDict) -> None:
+  """The optimizer, the training loop, checkpoints, rewards and evaluation."""
+  r, name = config.rollout, config.objective.name
   o = config.optimizer
   _require(isinstance(o.warmup_steps, int) and o.warmup_steps >= 0, "optimizer.warmup_steps",
            f"must be an integer >= 0, got {o.warmup_steps!r}")
@@ -305,6 +332,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
   _require(config.eval.batch_size >= 1, "eval.batch_size",
            f"must be >= 1 (prompts per sampler call), got {config.eval.batch_size}")
+
+
+def _validate_data(config: ml_collections.ConfigDict) -> None:
+  """Dataset sizes, the supervised start, the task's reward and prompts, the model source."""
+  r = config.rollout
   for split in ("train", "eval"):
     size = config.data[f"{split}_size"]
     _require(isinstance(size, int) and size >= 0, f"data.{split}_size",
@@ -335,6 +367,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(not str(value).startswith("/path/to"), field,
              f"{value!r} is a placeholder: pass a Hub id (e.g. --config.{field}=GSAI-ML/LLaDA-8B-"
              "Instruct) or a local directory")
+
+
+def _validate_logging(config: ml_collections.ConfigDict) -> None:
+  """Logging, diagnostics and the tokenizer's kind."""
   lg = config.logging
   for field in ("samples_every_steps", "num_samples"):
     _require(isinstance(lg[field], int) and lg[field] >= 0, f"logging.{field}",
@@ -349,29 +385,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   kinds = ("char",) + family_lib.names()
   _require(config.tokenizer.kind in kinds, "tokenizer.kind",
            f"{config.tokenizer.kind!r} is not one of {kinds} ('char' or a model family)")
-  _validate_task_data(config)
-  if num_devices is not None:
-    from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
-    try:
-      sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
-    except ValueError as err:
-      raise ValueError(str(err)) from None
-    ways = sizes["data"] * sizes["fsdp"]
-    _require(sizes["data"] % int(config.mesh.get("dcn_data", 1) or 1) == 0, "mesh.dcn_data",
-             f"{config.mesh.dcn_data} does not divide the data axis ({sizes['data']})")
-    per_microbatch = r.num_prompts // num_microbatches(config)
-    if per_microbatch * r.group_size % ways:
-      fits = microbatch_groups_for(config, ways)
-      advice = (f"on this mesh set train.microbatch_groups to one of {fits} (e.g. "
-                f"--config.train.microbatch_groups={fits[0]})" if fits else
-                f"no microbatch fits: make rollout.num_prompts x rollout.group_size a multiple "
-                f"of {ways}")
-      _require(False, "train.microbatch_groups" if t.microbatch_groups else "rollout.num_prompts",
-               f"a microbatch of {per_microbatch} prompts x {r.group_size} completions does not "
-               f"split over data x fsdp = {ways} devices; {advice}")
-    if config.sft.num_steps and not config.model.checkpoint:
-      _require(config.sft.batch_size % ways == 0, "sft.batch_size",
-               f"{config.sft.batch_size} does not split over data x fsdp = {ways} devices")
+
+
+def _validate_mesh(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """The mesh of ``num_devices`` devices, and batches that split over its data x fsdp axes."""
+  r, t = config.rollout, config.train
+  from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
+  try:
+    sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
+  except ValueError as err:
+    raise ValueError(str(err)) from None
+  ways = sizes["data"] * sizes["fsdp"]
+  _require(sizes["data"] % int(config.mesh.get("dcn_data", 1) or 1) == 0, "mesh.dcn_data",
+           f"{config.mesh.dcn_data} does not divide the data axis ({sizes['data']})")
+  per_microbatch = r.num_prompts // num_microbatches(config)
+  if per_microbatch * r.group_size % ways:
+    fits = microbatch_groups_for(config, ways)
+    advice = (f"on this mesh set train.microbatch_groups to one of {fits} (e.g. "
+              f"--config.train.microbatch_groups={fits[0]})" if fits else
+              f"no microbatch fits: make rollout.num_prompts x rollout.group_size a multiple "
+              f"of {ways}")
+    _require(False, "train.microbatch_groups" if t.microbatch_groups else "rollout.num_prompts",
+             f"a microbatch of {per_microbatch} prompts x {r.group_size} completions does not "
+             f"split over data x fsdp = {ways} devices; {advice}")
+  if config.sft.num_steps and not config.model.checkpoint:
+    _require(config.sft.batch_size % ways == 0, "sft.batch_size",
+             f"{config.sft.batch_size} does not split over data x fsdp = {ways} devices")
 
 
 def _validate_task_data(config: ml_collections.ConfigDict) -> None:
