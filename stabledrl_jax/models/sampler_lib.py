@@ -9,7 +9,7 @@ a model call sees) stay in its folder.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +107,13 @@ def check_prompts(prompt_tokens: Array, prompt_mask: Array | None) -> tuple[Arra
       raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompt shape "
                        f"{prompt_tokens.shape}")
   return prompt_tokens, prompt_mask
+
+
+def outputs(result: tuple[Array, Array, dict[str, Array]], return_reveal_step: bool,
+            return_stats: bool) -> Array | tuple[Any, ...]:
+  """What a sampler's ``generate`` returns of (tokens, reveal_step, stats): the tokens alone,
+  or with the reveal steps and / or the stats, in that order."""
+  tokens, reveal_step, stats = result
+  out = (tokens,) + ((reveal_step,) if return_reveal_step else ()) + (
+      (stats,) if return_stats else ())
+  return out if len(out) > 1 else tokens

@@ -63,7 +63,7 @@ from flax import nnx
 
 from stabledrl_jax.models import sharding
 from stabledrl_jax.models.sampler_lib import (categorical, check_prompts, fill_after_stop,
-                                              num_transfer_tokens, rank_descending)
+                                              num_transfer_tokens, outputs, rank_descending)
 
 Array = jax.Array
 
@@ -74,7 +74,8 @@ CACHES = ("none", "prefix", "dual")
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """The options of one LLaDA decoding (``generate`` documents each); static, hashable.
+  """The options of one LLaDA decoding (``generate`` documents each, with their defaults);
+  static, hashable.
 
   ``steps`` is the total over the completion (unused, 0, by threshold decoding); ``threshold``
   only matters to threshold decoding (0.0 otherwise, so that one compilation serves any value).
@@ -83,12 +84,12 @@ class Sampling:
   gen_length: int
   steps: int
   block_length: int
-  temperature: float = 0.0
-  remasking: str = "low_confidence"
-  threshold: float = 0.9
-  cfg_scale: float = 0.0
-  stop_at_eos: bool = False
-  cache: str = "none"
+  temperature: float
+  remasking: str
+  threshold: float
+  cfg_scale: float
+  stop_at_eos: bool
+  cache: str
 
   def __post_init__(self):
     options = dataclasses.asdict(self)
@@ -438,10 +439,8 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
   settings = Sampling(gen_length=gen_length, steps=steps, block_length=block_length,
                       temperature=temperature, remasking=remasking, threshold=threshold,
                       cfg_scale=cfg_scale, stop_at_eos=stop_at_eos, cache=cache)
-  tokens, reveal_step, stats = sample(model, prompt_tokens, prompt_mask, key, settings)
-  out = (tokens,) + ((reveal_step,) if return_reveal_step else ()) + (
-      (stats,) if return_stats else ())
-  return out if len(out) > 1 else tokens
+  return outputs(sample(model, prompt_tokens, prompt_mask, key, settings), return_reveal_step,
+                 return_stats)
 
 
 def sample(model: nnx.Module, prompt_tokens: Array, prompt_mask: Array | None, key: Array,

@@ -59,7 +59,9 @@ def sampling(decoding: Any, config: SDARConfig) -> sampler.Sampling:
   return sampler.Sampling(
       gen_length=decoding.gen_length, steps=-(-decoding.steps // num_blocks),
       stop_ids=tuple(config.stop_token_ids), temperature=decoding.temperature,
-      remasking=REMASKING[decoding.remasking], threshold=decoding.threshold)
+      remasking=REMASKING[decoding.remasking], threshold=decoding.threshold,
+      # Finished rows stop on their own; the KV cache of finished blocks is exact.
+      stop_at_eos=True, use_cache=True)
 
 
 def generate(model: SDAR, prompt_tokens: Array, prompt_mask: Array, key: Array,

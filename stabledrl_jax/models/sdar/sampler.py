@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stabledrl_jax.models.sampler_lib import (categorical, check_prompts, fill_after_stop,
-                                              num_transfer_tokens, rank_descending)
+                                              num_transfer_tokens, outputs, rank_descending)
 
 Array = jax.Array
 
@@ -63,7 +63,8 @@ REMASKING = ("low_confidence_static", "low_confidence_dynamic")
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """The options of one SDAR decoding (``generate`` documents each); static, hashable.
+  """The options of one SDAR decoding (``generate`` documents each, with their defaults);
+  static, hashable.
 
   ``steps`` is per block (at most: the dynamic rule and finished rows stop early);
   ``stop_ids`` the stop tokens, the first of which fills after a row's first one.
@@ -72,11 +73,11 @@ class Sampling:
   gen_length: int
   steps: int
   stop_ids: tuple[int, ...]
-  temperature: float = 0.0
-  remasking: str = "low_confidence_dynamic"
-  threshold: float = 0.9
-  stop_at_eos: bool = True
-  use_cache: bool = True
+  temperature: float
+  remasking: str
+  threshold: float
+  stop_at_eos: bool
+  use_cache: bool
 
   def __post_init__(self):
     if self.gen_length <= 0 or self.steps <= 0:
@@ -277,10 +278,8 @@ def generate(model: nnx.Module, prompt_tokens: Array, *, key: Array, gen_length:
                       remasking=remasking, threshold=threshold, stop_at_eos=stop_at_eos,
                       stop_ids=tuple(eos_token_ids if eos_token_ids is not None
                                      else model.config.stop_token_ids), use_cache=use_cache)
-  tokens, reveal_step, stats = sample(model, prompt_tokens, prompt_mask, key, settings)
-  out = (tokens,) + ((reveal_step,) if return_reveal_step else ()) + (
-      (stats,) if return_stats else ())
-  return out if len(out) > 1 else tokens
+  return outputs(sample(model, prompt_tokens, prompt_mask, key, settings), return_reveal_step,
+                 return_stats)
 
 
 def sample(model: nnx.Module, prompt_tokens: Array, prompt_mask: Array | None, key: Array,
