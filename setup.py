@@ -60,6 +60,7 @@ setuptools.setup(
             "wheel>=0.42",  # tests/test_packaging.py builds the wheel of a non-editable install
             "matplotlib>=3.7",  # the experiments' plots are tested
             "pytest-xdist>=3.5",
+            "filelock>=3.12",  # tests/conftest.py: one supervised start shared by the workers
             "hypothesis>=6.100",
             "pyarrow>=14",  # so that the Parquet loader is tested, not skipped
             "datasets>=2.18",  # Hub datasets, tested on local copies in the Hub layout

@@ -17,7 +17,7 @@ from stabledrl_jax import estimators, objectives
 from stabledrl_jax.objectives import stabledrl as sdrl
 from stabledrl_jax.training import checkpointing, config_lib, spikes, sweep, trainer
 
-from test_training import REPO, sft_start, tiny_config, workdir_with_start  # noqa: F401
+from test_training import REPO, tiny_config, workdir_with_start
 
 BAND = (0.02, 0.10)
 

@@ -11,7 +11,7 @@ import pytest
 from stabledrl_jax import profiling
 from stabledrl_jax.training import metrics_writer, optimizer as optimizer_lib, specs, trainer
 
-from test_training import tiny_config, workdir_with_start, sft_start  # noqa: F401
+from test_training import tiny_config, workdir_with_start
 
 
 class _FakeWandb(types.ModuleType):
@@ -36,7 +36,7 @@ class _FakeWandb(types.ModuleType):
     return Run()
 
 
-def test_a_step_logs_trl_names_samples_and_wandb(tmp_path, sft_start, monkeypatch):  # noqa: F811
+def test_a_step_logs_trl_names_samples_and_wandb(tmp_path, sft_start, monkeypatch):
   fake = _FakeWandb()
   monkeypatch.setitem(sys.modules, "wandb", fake)
   config = tiny_config(**{"train.num_steps": 2, "train.num_iterations": 2,
@@ -72,7 +72,7 @@ def test_a_step_logs_trl_names_samples_and_wandb(tmp_path, sft_start, monkeypatc
   assert fake.finished == 1
 
 
-def test_frac_reward_zero_std_by_hand(tmp_path, sft_start):  # noqa: F811
+def test_frac_reward_zero_std_by_hand(tmp_path, sft_start):
   """Re-derived from the rollouts themselves: a one-step run's samples.jsonl holds every rollout
   (num_samples = the batch, groups contiguous), from which the statistics are recomputed."""
   config = tiny_config(**{"train.num_steps": 1, "train.num_iterations": 1,

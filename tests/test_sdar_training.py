@@ -218,14 +218,6 @@ def test_sdar_sft_loss_is_the_block_elbo_and_decreases():
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sdar_start(tmp_path_factory):
-  """The tiny SDAR supervised start, fitted once and copied into each run's workdir."""
-  workdir = tmp_path_factory.mktemp("sdar_sft")
-  trainer.train(sdar_config(**{"train.num_steps": 0}), str(workdir))
-  return workdir / trainer.SFT_DIR
-
-
 def _with_start(path, start):
   path.mkdir(parents=True, exist_ok=True)
   shutil.copytree(start, path / trainer.SFT_DIR)

@@ -57,15 +57,6 @@ def tiny_config(**updates):
   return sweep.with_overrides(c, updates)
 
 
-@pytest.fixture(scope="module")
-def sft_start(tmp_path_factory):
-  """The tiny supervised start, fitted once and copied into each run's workdir."""
-  workdir = tmp_path_factory.mktemp("sft")
-  config = tiny_config(**{"train.num_steps": 0})
-  trainer.train(config, str(workdir))
-  return workdir / trainer.SFT_DIR
-
-
 def workdir_with_start(path, sft_start):
   path.mkdir(parents=True, exist_ok=True)
   shutil.copytree(sft_start, path / trainer.SFT_DIR)
