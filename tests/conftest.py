@@ -1,37 +1,13 @@
 """Fixtures shared by the test files: supervised starts fitted once per run.
 
 A supervised start takes tens of seconds to fit; the tests that train from one only copy it.
-``shared_start`` fits it once for the whole run, whichever xdist worker asks first (the others
-wait on a file lock and read it), under the run's shared temporary directory.
+``shared_runs.shared_start`` fits it once for the whole run, whichever xdist worker asks first
+(the others wait on a file lock and read it), under the run's shared temporary directory.
 """
 
-import pathlib
-import shutil
-from typing import Callable
-
-import filelock
 import pytest
 
-
-def shared_start(tmp_path_factory, worker_id: str, name: str,
-                 fit: Callable[[pathlib.Path], pathlib.Path]) -> pathlib.Path:
-  """``fit(workdir) -> start`` run once per test run (every xdist worker gets its result).
-
-  The result is written to a scratch directory and renamed into place, so a worker never reads
-  a half-written start; a failed fit leaves nothing behind and the next worker tries again.
-  """
-  root = tmp_path_factory.getbasetemp()
-  if worker_id != "master":  # xdist: the workers' base directories share this parent.
-    root = root.parent
-  target = root / f"shared_{name}"
-  with filelock.FileLock(str(root / f"shared_{name}.lock")):
-    if not target.exists():
-      scratch = root / f"shared_{name}.partial"
-      shutil.rmtree(scratch, ignore_errors=True)
-      start = fit(scratch)
-      scratch.rename(target)
-      (root / f"shared_{name}.path").write_text(str(start.relative_to(scratch)))
-  return target / (root / f"shared_{name}.path").read_text()
+from shared_runs import shared_start
 
 
 @pytest.fixture(scope="session")

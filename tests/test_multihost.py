@@ -24,6 +24,7 @@ from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, mu
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import reward_pool
 from stabledrl_jax import tasks
+from shared_runs import shared_start
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS = 6
@@ -127,13 +128,18 @@ def _wait_for_step(workdir, step, running, timeout=300):
   return False
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-  """One process on 8 devices: the run every multi-process run must reproduce."""
-  workdir = tmp_path_factory.mktemp("one_process")
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, worker_id):
+  """One process on 8 devices: the run every multi-process run must reproduce (run once for
+  all xdist workers, ``shared_runs.shared_start``; read it, never write into it)."""
   logs = tmp_path_factory.mktemp("logs")
-  assert wait(train(workdir, processes=1, devices=8, log_dir=logs)) == [0], _logs(logs)
-  return workdir
+
+  def run(workdir):
+    workdir.mkdir(parents=True)
+    assert wait(train(workdir, processes=1, devices=8, log_dir=logs)) == [0], _logs(logs)
+    return workdir
+
+  return shared_start(tmp_path_factory, worker_id, "multihost_reference", run)
 
 
 def with_start(path, reference):
