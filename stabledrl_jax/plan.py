@@ -474,7 +474,7 @@ def _state_bytes(what: str, config, devices) -> dict[str, int]:
     cached = r.cache != "none" or not hasattr(model_cfg, "d_model")  # SDAR's always caches.
   else:
     rows, cached = -(-config.eval.batch_size // ways) * ways, False
-  shapes = profiling._flops_shapes(model_cfg)  # pylint: disable=protected-access
+  shapes = profiling.flops_shapes(model_cfg)
   kv = 2 * shapes.n_layers * (rows // ways) * (r.prompt_length + r.gen_length) * (
       shapes.n_kv_heads * shapes.head_dim * jnp.dtype(model_cfg.dtype).itemsize)
   return dict(parameters_bytes=_shard_bytes(state), kv_cache_bytes=int(kv) if cached else 0,

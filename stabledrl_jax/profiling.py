@@ -139,7 +139,7 @@ def rl_step_flops(num_params: int, *, rollout_positions: float, scored_positions
 TPU_CHIP_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 
 
-def _flops_shapes(model_cfg: Any) -> Any:
+def flops_shapes(model_cfg: Any) -> Any:
   """A model config in the field names of ``models.llada.flops`` (LLaDA's: SDAR's Qwen3 shapes
   renamed), with remat off: model FLOPs count no recomputation."""
   import types  # pylint: disable=g-import-not-at-top
@@ -192,7 +192,7 @@ def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iteratio
   """
   from stabledrl_jax.models.llada import flops  # pylint: disable=g-import-not-at-top
 
-  shapes = _flops_shapes(model_cfg)
+  shapes = flops_shapes(model_cfg)
   sdar = not hasattr(model_cfg, "d_model")
   r = rollout
   rows, prompt, gen = r.num_prompts * r.group_size, r.prompt_length, r.gen_length
@@ -212,7 +212,7 @@ def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iteratio
       commit = flops.cached_forward_flops(shapes, rows, keys, queries=bs, logit_positions=0)
       rollout += per_block * call + commit
     positions = (k + 1) * length
-    blocks_fwd = shapes.n_layers * flops._block_flops(  # pylint: disable=protected-access
+    blocks_fwd = shapes.n_layers * flops.block_flops(
         shapes, keys=length // 2, queries=positions, projected=positions)
     head = flops.head_flops(shapes, k * gen)
     forward = rows * (blocks_fwd + head)

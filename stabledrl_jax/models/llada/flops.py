@@ -35,8 +35,8 @@ TRAIN_MULTIPLIER = 3
 REMAT_MULTIPLIER = 4
 
 
-def _block_flops(config: ModelConfig, keys: int, queries: int,
-                 projected: int | None = None) -> int:
+def block_flops(config: ModelConfig, keys: int, queries: int,
+                projected: int | None = None) -> int:
   """Matmul FLOPs of one transformer block for one sequence; ``projected``: the positions whose
   keys and values are computed (default: every key; a KV-cached call: its queries)."""
   d, f = config.d_model, config.mlp_hidden_size
@@ -68,8 +68,8 @@ def forward_flops(config: ModelConfig, batch: int, length: int, *, span: int | N
   """
   queries = length if span is None else span
   logits = queries if logit_positions is None else logit_positions
-  blocks = (config.n_layers - 1) * _block_flops(config, length, length)
-  blocks += _block_flops(config, length, queries)
+  blocks = (config.n_layers - 1) * block_flops(config, length, length)
+  blocks += block_flops(config, length, queries)
   return batch * (blocks + head_flops(config, logits))
 
 
@@ -78,7 +78,7 @@ def cached_forward_flops(config: ModelConfig, batch: int, length: int, *, querie
   """Matmul FLOPs of a KV-cached pass (``LLaDA.encode_cached`` then the head): ``queries``
   positions run every block, their keys and values are computed and every one of the ``length``
   positions is a key; ``logit_positions`` are projected to logits."""
-  blocks = config.n_layers * _block_flops(config, length, queries, projected=queries)
+  blocks = config.n_layers * block_flops(config, length, queries, projected=queries)
   return batch * (blocks + head_flops(config, logit_positions))
 
 
