@@ -666,7 +666,7 @@ def test_too_many_skips_stop_the_run_and_keep_the_checkpoint(tmp_path, monkeypat
   assert step == 1
   config.train.num_steps = 4
   nan_advantages = lambda rewards, group_size, **kw: jnp.full(rewards.shape, jnp.nan)
-  monkeypatch.setattr(trainer.objectives, "group_advantages", nan_advantages)
+  monkeypatch.setattr(objectives, "group_advantages", nan_advantages)  # As the rollouts see it.
   with pytest.raises(trainer.TooManySkipsError, match="consecutive"):
     trainer.train(config, str(tmp_path))
   step, after = _final_params(str(tmp_path))
