@@ -125,16 +125,16 @@ def print_table(results: dict) -> None:
     f, e, s = r["forward"], r["elbo"], r["sampling"]
     rows = [
         (f"plain pass, length n = {f['length']}", f["seconds"]["plain"], "1.00x"),
-        (f"staircase pass, length 2n", f["seconds"]["staircase"],
+        ("staircase pass, length 2n", f["seconds"]["staircase"],
          f"{f['staircase_over_plain']:.2f}x plain"),
-        (f"staircase pass, dense mask", f["seconds"]["staircase_dense"],
+        ("staircase pass, dense mask", f["seconds"]["staircase_dense"],
          f"{f['dense_over_plain']:.2f}x plain"),
         (f"block ELBO, one pass (n = {e['length']})", e["seconds"]["one_pass"], "1.00x"),
         (f"block ELBO, {e['blocks']} per-block passes", e["seconds"]["per_block_passes"],
          f"{e['per_block_over_one_pass']:.1f}x one pass"),
         (f"sampling, KV cache (prompt {s['prompt_length']}, {s['gen_length']} tokens, "
          f"{s['steps_per_block']} steps/block)", s["seconds"]["cached"], "1.00x"),
-        (f"sampling, no cache", s["seconds"]["uncached"],
+        ("sampling, no cache", s["seconds"]["uncached"],
          f"{s['cached_speedup']:.2f}x cached"),
     ]
     for label, seconds, ratio in rows:

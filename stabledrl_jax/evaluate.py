@@ -410,8 +410,6 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
               for length in options.gen_lengths]
   if not settings:
     raise ValueError("no generation length given")
-  for setting in settings:
-    setting.check()
   _check_sizes(options.batch_size, options.shard_size)
   if options.model_name and not _MODEL_NAME.fullmatch(options.model_name):
     raise ValueError(f"model name {options.model_name!r} may hold only letters, digits, '.' "
@@ -427,17 +425,18 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   except ValueError as error:
     raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(options.mesh)}: {error}") from None
   source = checkpoint_source.resolve(options.checkpoint, options.step)
-  tokenizer = checkpoint_source.load_tokenizer(source, options.tokenizer)
-  test_sets = {name: load_test_set(name, sources[name], data_dir=options.data_dir,
-                                   limit=options.limit, seed=options.seed,
-                                   workdir_config=source.config) for name in names}
   dtype = options.dtype
   if dtype == "auto":  # bf16 wherever it is fast; float32 on CPUs.
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  model_config = checkpoint_source.model_config(source, dtype=jnp.dtype(dtype))
+  for setting in settings:  # By the checkpoint's own sampler's rules (no weight read yet).
+    setting.check(model_config)
+  tokenizer = checkpoint_source.load_tokenizer(source, options.tokenizer)
+  data.check_tokenizer(model_config, tokenizer)
+  test_sets = {name: load_test_set(name, sources[name], data_dir=options.data_dir,
+                                   limit=options.limit, seed=options.seed,
+                                   workdir_config=source.config) for name in names}
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
-  data.check_tokenizer(model.config, tokenizer)
-  for setting in settings:  # By the model's own sampler's rules.
-    setting.check(model.config)
 
   # A workdir's prompts are those it trained on; d1's carry the task's instruction.
   with_instruction = options.with_instruction

@@ -332,7 +332,8 @@ class Planner:
 
   def _compile(self, what: str, config, devices):
     from stabledrl_jax import tpu_compile  # pylint: disable=g-import-not-at-top
-    from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from stabledrl_jax.training import decoding as decoding_lib, specs
     if what == "train":
       specs.validate(config, num_devices=len(devices))
       return tpu_compile.compile_train_step(config, devices)
@@ -355,7 +356,7 @@ class Planner:
                                         tpu_compile.rollout_decoding(config, cache=r.cache),
                                         rows=groups * r.group_size, what="sampler")
     rows = -(-config.eval.batch_size // ways) * ways  # Padded as decoding.generate_batches pads.
-    return tpu_compile.compile_decode(config, devices, tpu_compile.eval_decoding(config),
+    return tpu_compile.compile_decode(config, devices, decoding_lib.Decoding.of_eval(config),
                                       rows=rows, what="evaluate")
 
   # The ladder.

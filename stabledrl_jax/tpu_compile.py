@@ -138,13 +138,6 @@ def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding
                                           **overrides)
 
 
-def eval_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding_lib.Decoding:
-  """The trainer's evaluation decode (greedy, ``eval.steps``, exact unless overridden)."""
-  return decoding_lib.Decoding.of_rollout(config.rollout, temperature=0.0,
-                                          steps=config.eval.steps,
-                                          **{"cache": "none", **overrides})
-
-
 def compile_decode(config: ml_collections.ConfigDict, devices, settings: decoding_lib.Decoding,
                    *, rows: int | None = None, what: str = "decode") -> Result:
   """The model's sampler (``decoding.generate``) with ``settings`` on ``devices``, for ``rows``

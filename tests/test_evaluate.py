@@ -414,16 +414,15 @@ def test_unknown_task_is_named():
 ])
 def test_bad_sampler_settings(settings, message):
   with pytest.raises(ValueError, match=message):
-    settings.check()
+    settings.check(models.get_config("tiny"))
 
 
 def test_each_family_checks_the_settings_by_its_own_sampler():
-  """SDAR's rules are SDAR's: its remasking names pass before a model is loaded, and with its
-  config its record takes the steps per block; what it has no use for is named."""
+  """SDAR's rules are SDAR's: its record takes the steps per block; what it has no use for is
+  named."""
   sdar = models.get_sdar_config("tiny")
   dynamic = evaluate.SamplerSettings.d1(64, remasking="low_confidence_dynamic")
-  dynamic.check()  # LLaDA's sampler has no such rule; SDAR's has.
-  dynamic.check(sdar)
+  dynamic.check(sdar)  # LLaDA's sampler has no such rule; SDAR's has.
   record = models.family.of(sdar).sampling(dynamic, sdar)
   assert record.steps == -(-dynamic.steps // (64 // sdar.block_size))
   assert record.stop_ids == tuple(sdar.stop_token_ids)
@@ -437,7 +436,7 @@ def test_each_family_checks_the_settings_by_its_own_sampler():
 
 def test_threshold_decoding_is_a_sampler_setting_and_recorded_only_when_used():
   dynamic = evaluate.SamplerSettings.d1(128, remasking="threshold", threshold=0.8)
-  dynamic.check()
+  dynamic.check(models.get_config("tiny"))
   assert dynamic.describe()["threshold"] == 0.8
   assert "threshold" not in evaluate.SamplerSettings.d1(128).describe()
 
@@ -473,6 +472,9 @@ def test_a_tokenizer_that_does_not_fit_the_model(hf_checkpoint):
     ({"mesh": (3, 1, 1)}, r"needs 3 devices, but 1 are available"),
     ({"batch_size": 0}, r"batch size \(0\) and shard size \(2\) must be >= 1"),
     ({"data_dir": "/nonexistent"}, "point --data_dir at it"),
+    # The checkpoint's family's sampler judges the settings (LLaDA's has no dynamic rule).
+    ({"remasking": "low_confidence_dynamic"}, "remasking must be one of"),
+    ({"gen_lengths": [100]}, r"gen_length \(100\) must be a multiple of block_length"),
 ])
 def test_bad_options(tmp_path, hf_checkpoint, overrides, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -482,7 +484,6 @@ def test_bad_options(tmp_path, hf_checkpoint, overrides, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["--task=chess"], "unknown task 'chess'"),
-    (["--task=sudoku", "--gen_lengths=100"], "must be a multiple of block_length"),
     (["--task=sudoku", "--checkpoint=/nonexistent"], "does not exist"),
     (["--task=sudoku", "--limit=-1"], "--limit must be >= 1 (or 0, the default: every example)"),
     (["--task=sudoku", "--temperature=nan"], "--temperature must be finite and >= 0"),

@@ -4,7 +4,6 @@ for the scoring CLI and the loaders."""
 
 import json
 import os
-import pathlib
 import shutil
 import socket
 import subprocess

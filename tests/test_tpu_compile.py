@@ -19,7 +19,7 @@ pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from stabledrl_jax import libtpu_env, tpu_compile
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training import config_lib, decoding as decoding_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"llada": "quickstart", "sdar": "sdar_tiny_quickstart"}
@@ -90,7 +90,7 @@ def test_rollout_sampler(v5e_2x2, family, cache, remasking):
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_evaluation_decode(v5e_2x2, family):
   config = tiny(family)
-  result = tpu_compile.compile_decode(config, v5e_2x2, tpu_compile.eval_decoding(config),
+  result = tpu_compile.compile_decode(config, v5e_2x2, decoding_lib.Decoding.of_eval(config),
                                       rows=config.eval.batch_size, what="eval")
   check(result, splash=True)
 

@@ -258,6 +258,13 @@ def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
                              param_dtype=dtype, remat=False)
 
 
+def model_config(source: CheckpointSource, *, dtype: Any) -> Any:
+  """The model config of ``source`` (its family's, in ``dtype``): no tensor is read."""
+  if source.kind == HUGGING_FACE:
+    return models.load_config(source.path, dtype=dtype, param_dtype=dtype)
+  return _workdir_model_config(source.config, dtype)
+
+
 def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> Any:
   """The model of ``source`` (of any registered family) in ``dtype`` (parameters and
   compute), sharded over ``mesh``."""

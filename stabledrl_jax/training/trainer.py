@@ -566,9 +566,7 @@ class Trainer:
     Each process decodes and scores its rows of every batch; the totals are summed over the
     processes."""
     prompts = self.eval_prompts
-    settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=0.0,
-                                            steps=self.config.eval.steps,
-                                            **{"cache": "none", **options})
+    settings = decoding.Decoding.of_eval(self.config, **options)
     totals = decoding.score_batches(
         self._model(params), self.tokenizer, self.task, prompts.examples, prompts.tokens,
         prompts.mask, key, settings, mesh=self.mesh, batch_size=self.config.eval.batch_size,
