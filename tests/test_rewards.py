@@ -19,6 +19,7 @@ import pytest
 from stabledrl_jax import rewards
 from stabledrl_jax.rewards import arithmetic
 from stabledrl_jax.rewards import d1_protocol
+from stabledrl_jax.rewards import deadline
 from stabledrl_jax.rewards import extraction
 from stabledrl_jax.rewards import format_rewards
 from stabledrl_jax.rewards import math_equivalence
@@ -287,8 +288,8 @@ def test_symbolic_deadline_interrupts_python_level_work():
   # An endless loop returns only if the deadline interrupts it; in CPU time (not wall time: the
   # machine may be loaded) it ran about the 0.05 s deadline.
   start = time.process_time()
-  with pytest.raises(math_equivalence._DeadlineExceeded):  # pylint: disable=protected-access
-    math_equivalence._call_with_deadline(spin, 0.05)  # pylint: disable=protected-access
+  with pytest.raises(deadline.DeadlineExceeded):
+    deadline.call_with_deadline(spin, 0.05)
   assert time.process_time() - start < 1.0
 
 
@@ -754,17 +755,17 @@ def test_a_helper_that_does_not_answer_in_time_is_killed_and_replaced(_math_veri
 
 def test_the_cpu_deadline_waits_out_a_loaded_machine_and_restores_the_callers_timer():
   # Sleeping uses no CPU: a 0.05 s CPU budget lets it finish (a loaded machine's case) ...
-  assert math_equivalence._call_with_deadline(  # pylint: disable=protected-access
+  assert deadline.call_with_deadline(
       lambda: time.sleep(0.1) or "done", 0.05, wall_factor=100) == "done"
   # ... up to the wall-clock cap.
-  with pytest.raises(math_equivalence._DeadlineExceeded):  # pylint: disable=protected-access
-    math_equivalence._call_with_deadline(  # pylint: disable=protected-access
+  with pytest.raises(deadline.DeadlineExceeded):
+    deadline.call_with_deadline(
         lambda: time.sleep(60), 0.05, wall_factor=4)
   fired = []
   previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
   try:
     signal.setitimer(signal.ITIMER_REAL, 100.0)
-    math_equivalence._call_with_deadline(lambda: None, 0.05)  # pylint: disable=protected-access
+    deadline.call_with_deadline(lambda: None, 0.05)
     remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
     assert 0 < remaining <= 100.0 and not fired
     assert signal.getsignal(signal.SIGALRM) is not previous

@@ -7,6 +7,8 @@ Host-side, pure Python: no JAX, cheap to import (math-verify is imported on firs
 - `d1_protocol`: per-item correctness exactly as the d1 scorer decides it.
 - `arithmetic`: the safe evaluator behind countdown (never `eval`).
 - `extraction`, `math_equivalence`: shared answer extraction and normalization.
+- `deadline`, `symbolic_worker`, `symbolic_helper`: math-verify's CPU-time bound on any thread
+  (a signal deadline on the main thread; elsewhere helper processes that are killed if late).
 
 Every reward accepts any string as the completion and returns a finite float.
 

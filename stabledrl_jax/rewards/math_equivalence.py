@@ -11,8 +11,9 @@ published numbers depend on it.
 `symbolic_equivalent` asks math-verify (sympy-based) when it is installed. sympy can spend
 unbounded time on inputs such as (x+1)^{9999}, part of it in C code that no timer can interrupt
 (9^{9^{9^{9}}}), so inputs are screened first (`safe_for_symbolic`) and the call gets a CPU-time
-budget on any thread (`bounded_call`): a signal deadline in the main thread, a helper process
-that is killed if it overruns elsewhere (`symbolic_worker`).
+budget on any thread (`bounded_call`): a signal deadline in the main thread (`deadline`), a
+helper process that is killed if it overruns elsewhere (`symbolic_worker`, whose helpers run
+`symbolic_helper`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,8 @@ import importlib.util
 import logging
 import math
 import re
-import signal
-import threading
-import time
 
-from stabledrl_jax.rewards import extraction
+from stabledrl_jax.rewards import deadline, extraction, symbolic_worker
 
 # ---------------------------------------------------------------------------
 # MATH normalization.
@@ -185,9 +183,6 @@ _KNOWN_COMMANDS = frozenset("""
 
 # The CPU-time budget of one answer's symbolic check (the d1-style math reward uses 0.2 s).
 DEFAULT_BUDGET_S = 1.0
-# The wall-clock cap of a deadline, as a multiple of its CPU budget: on a loaded machine the work
-# gets less CPU than wall time, and a correct answer should not lose its reward for that.
-WALL_FACTOR = 5.0
 
 _math_verify_module = None  # the module once imported and warmed up, False if not installed
 _math_verify_installed = None  # whether it can be imported (checked without importing it)
@@ -353,73 +348,6 @@ def safe_for_symbolic(answer: str) -> bool:
   return exponent_digits <= _MAX_EXPONENT_DIGITS and _powers_are_small(answer, exponents)
 
 
-class _DeadlineExceeded(BaseException):
-  """Raised by the timer signal; a BaseException so library `except Exception` cannot eat it."""
-
-
-class _NoSignals(RuntimeError):
-  """This thread cannot run a signal deadline (not the main thread, or signals refused)."""
-
-
-def _signals_usable() -> bool:
-  """Whether this thread can run a signal deadline (the main thread, on a POSIX system)."""
-  return (hasattr(signal, "setitimer")
-          and threading.current_thread() is threading.main_thread())
-
-
-def _call_with_deadline(function, seconds: float, *, wall_factor: float = WALL_FACTOR):
-  """Runs function() in the main thread until it has used ``seconds`` of this thread's CPU time.
-
-  A wall-clock timer (SIGALRM) wakes up when ``seconds`` have passed; if this thread has used
-  less CPU time than that (a loaded machine), it sleeps again for the rest of the budget, up to
-  ``wall_factor`` x ``seconds`` of wall time in all. Past the budget it raises
-  _DeadlineExceeded. Work in C code that never returns to the interpreter is not interrupted;
-  `safe_for_symbolic` keeps such work out. A timer the caller had armed is restored after.
-
-  Raises:
-    _NoSignals: not in the main thread, or signals refused (`bounded_call` hands the work to a
-    helper process then).
-  """
-  if not _signals_usable():
-    raise _NoSignals("a signal deadline needs the main thread")
-  start_cpu, start_wall = time.thread_time(), time.monotonic()
-  wall_cap = seconds * wall_factor
-  armed = [True]
-
-  def on_alarm(signum, frame):
-    del signum, frame
-    if not armed[0]:
-      return
-    used = time.thread_time() - start_cpu
-    elapsed = time.monotonic() - start_wall
-    if used >= seconds or elapsed >= wall_cap:
-      # Raised inside a gc callback or a __del__, the exception is printed and dropped: the
-      # timer fires again shortly until one reaches the work.
-      signal.setitimer(signal.ITIMER_REAL, 0.01)
-      raise _DeadlineExceeded()
-    signal.setitimer(signal.ITIMER_REAL, max(min(seconds - used, wall_cap - elapsed), 1e-3))
-
-  try:
-    previous_handler = signal.signal(signal.SIGALRM, on_alarm)
-  except ValueError as error:  # the main thread of a sub-interpreter
-    raise _NoSignals(str(error)) from None
-  previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
-  try:
-    return function()
-  finally:
-    while armed[0]:  # An alarm between the work's end and the disarming is ignored.
-      try:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        armed[0] = False
-      except _DeadlineExceeded:
-        pass
-    signal.signal(signal.SIGALRM,
-                  signal.SIG_DFL if previous_handler is None else previous_handler)
-    if previous_delay > 0:
-      remaining = previous_delay - (time.monotonic() - start_wall)
-      signal.setitimer(signal.ITIMER_REAL, max(remaining, 1e-3), previous_interval)
-
-
 def run_bounded_here(kind: str, args, budget_s: float):
   """`_WORK[kind](module, *args)` in this (main) thread under the CPU deadline; None when
   math-verify is missing, the work fails, or it runs past ``budget_s`` CPU seconds."""
@@ -428,10 +356,10 @@ def run_bounded_here(kind: str, args, budget_s: float):
   if module is None or work is None:
     return None
   try:
-    return _call_with_deadline(lambda: work(module, *args), budget_s)
-  except _DeadlineExceeded:
+    return deadline.call_with_deadline(lambda: work(module, *args), budget_s)
+  except deadline.DeadlineExceeded:
     return None
-  except _NoSignals:
+  except deadline.NoSignals:
     raise
   except Exception:  # pylint: disable=broad-except
     # math-verify / sympy raise a wide variety of errors on odd input; a reward must not.
@@ -445,12 +373,11 @@ def bounded_call(kind: str, args, budget_s: float):
   thread spends no more: off the main thread it only waits for the helper
   (`symbolic_worker.POOL`), which is killed if it does not answer in time.
   """
-  if _signals_usable():
+  if deadline.signals_usable():
     try:
       return run_bounded_here(kind, args, budget_s)
-    except _NoSignals:
+    except deadline.NoSignals:
       pass
-  from stabledrl_jax.rewards import symbolic_worker  # pylint: disable=g-import-not-at-top
   return symbolic_worker.POOL.call(kind, list(args), budget_s)
 
 

@@ -1,9 +1,9 @@
 """Helper processes that run math-verify for threads that cannot bound it themselves.
 
 A CPU-time deadline needs a signal, and Python runs signal handlers in the main thread only
-(`math_equivalence._call_with_deadline`). A reward called from any other thread (a thread pool
+(`deadline.call_with_deadline`). A reward called from any other thread (a thread pool
 scoring a batch, a server) therefore hands its symbolic work to one of these helpers: a
-``python -m stabledrl_jax.rewards.symbolic_worker`` process that runs each request on its own
+``python -m stabledrl_jax.rewards.symbolic_helper`` process that runs each request on its own
 main thread under the same deadline, and answers one JSON line per request. A helper that has
 not answered ``wait_s(budget_s)`` after a request (sympy stuck in C code, which no signal
 interrupts) is killed, the request gets None (no symbolic verdict: reward 0 unless the
@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -32,9 +31,11 @@ from typing import Any, Sequence
 
 from absl import logging
 
-from stabledrl_jax.rewards import math_equivalence
+from stabledrl_jax.rewards import deadline
 
-# The helper's deadline caps a request at its CPU budget x math_equivalence.WALL_FACTOR of wall
+# The helpers' program (this module imports nothing of the work it runs: no import cycle).
+HELPER_MODULE = "stabledrl_jax.rewards.symbolic_helper"
+# The helper's deadline caps a request at its CPU budget x deadline.WALL_FACTOR of wall
 # time; the parent waits GRACE_S longer before it kills.
 GRACE_S = 2.0
 # Importing math-verify and sympy and warming them up takes 1-2 s of CPU; on a loaded machine
@@ -83,7 +84,7 @@ class _Worker:
     env["PYTHONPATH"] = os.pathsep.join(
         [package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     self.process = subprocess.Popen(
-        [sys.executable, "-m", "stabledrl_jax.rewards.symbolic_worker"],
+        [sys.executable, "-m", HELPER_MODULE],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
     self._buffer = bytearray()
     try:
@@ -124,7 +125,7 @@ class _Worker:
 
 def wait_s(budget_s: float) -> float:
   """How long the parent waits for an answer to a request with CPU budget ``budget_s``."""
-  return budget_s * math_equivalence.WALL_FACTOR + GRACE_S
+  return budget_s * deadline.WALL_FACTOR + GRACE_S
 
 
 class WorkerPool:
@@ -221,30 +222,3 @@ class WorkerPool:
 
 POOL = WorkerPool()
 atexit.register(POOL.close)
-
-
-def main() -> None:
-  """The helper's loop (see the module docstring for the protocol)."""
-  # Stray prints (a library's) must not corrupt the protocol: it gets its own copy of stdout,
-  # and fd 1 goes to stderr.
-  protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
-  os.dup2(2, 1)
-  # Ctrl-C is the parent's to handle; the helper ends when its stdin closes.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  math_equivalence.warm_up()
-  protocol.write(json.dumps({"ready": True}) + "\n")
-  protocol.flush()
-  for line in sys.stdin:
-    start = time.thread_time()
-    try:
-      request = json.loads(line)
-      result = math_equivalence.run_bounded_here(request["kind"], request["args"],
-                                                 float(request["budget_s"]))
-    except (ValueError, KeyError, TypeError):
-      result = None
-    protocol.write(json.dumps({"result": result, "cpu_s": time.thread_time() - start}) + "\n")
-    protocol.flush()
-
-
-if __name__ == "__main__":
-  main()
