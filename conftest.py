@@ -9,8 +9,12 @@ Most of the suite's time is XLA compiling tiny models on CPU, not running them:
   JAX_COMPILATION_CACHE_DIR to move it, or to '' to turn it off.
 * Unoptimized machine code (`--xla_backend_optimization_level=0`: LLVM's -O0; XLA's own graph
   optimizations still run) for the tests and the processes they start, which compile in about
-  two thirds of the time and run toy shapes as fast. The notebooks train for real, so their
-  kernels get the default optimization. Set XLA_FLAGS with any backend level to override.
+  two thirds of the time and run toy shapes as fast. Set XLA_FLAGS with any backend level to
+  override.
+* The notebooks run every cell at toy size (STABLEDRL_NOTEBOOK_TOY=1,
+  ``sweep.notebook_size``): what they test is that each cell runs; the README's quickstart guard
+  (tests/test_experiments.py) trains at full size. Set STABLEDRL_NOTEBOOK_TOY=0 to run them at
+  their own size, with XLA's default optimization.
 
 Subprocesses and notebook kernels inherit both through the environment.
 """
@@ -21,6 +25,7 @@ import pathlib
 _CACHE = pathlib.Path(__file__).resolve().parent / ".pytest_cache" / "jax-compilation-cache"
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+_NOTEBOOK_TOY = "STABLEDRL_NOTEBOOK_TOY"  # = sweep.TOY_ENV (read without importing the package)
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 # Small programs compile faster than they load from disk.
@@ -45,8 +50,12 @@ def _is_notebook(item) -> bool:
 
 
 def pytest_runtest_setup(item):
-  """A notebook's kernel (started by nbmake during the test) gets the user's XLA_FLAGS."""
+  """A notebook's kernel (started by nbmake during the test) runs at toy size unless the user
+  says otherwise; at its own size it gets the user's XLA_FLAGS."""
   if _is_notebook(item):
+    os.environ.setdefault(_NOTEBOOK_TOY, "1")
+    if os.environ[_NOTEBOOK_TOY] == "1":
+      return
     if _USER_XLA_FLAGS is None:
       os.environ.pop("XLA_FLAGS", None)
     else:

@@ -20,15 +20,19 @@ where it stopped. Writes ``<workdir>/comparison.json``:
 
   {"<row>": {"estimator", "eval_start", "eval_final", "eval_final_std", "eval_best",
              "reward_final", "step_s", "paired": {"reference", "n", "mean", "low", "high"},
+             "diagnostics": {"ratio_noise_share", "clipped_fraction", "clip_bound_final"},
              "seeds": {"<seed>": {"eval": {step: accuracy}, "reward": [...], "step_s",
-                                  "wall_s", "stopped"}}}}
+                                  "wall_s", "stopped", <the diagnostics>}}}}
 
 ``eval_*``: greedy ``eval/accuracy`` (percent of blanks right on 256 held-out puzzles) at the
 first / last evaluation and its best, means over seeds; ``paired``: the mean over seeds of this
 row's final eval minus the reference row's (``--reference``, the adapted StableDRL) from the
 same seed, with a 95% Student-t interval (a paired difference removes the spread of the
 starts); ``reward_final``: mean rollout reward of the last 10 steps; ``step_s``: median seconds
-per RL step after the first. Also draws ``<workdir>/comparison.png`` and prints the table.
+per RL step after the first; ``diagnostics`` (rows with a ratio): the mean over steps of
+``ratio_noise/share``, of the clipped fraction (``clip/frac_upper`` + ``clip/frac_lower``) and
+the last ``clip/max_ratio``, means over seeds (None where a row logs none). Also draws
+``<workdir>/comparison.png`` and prints both tables.
 """
 
 from __future__ import annotations
@@ -112,13 +116,28 @@ def run_summary(result) -> dict:
   evals = {h["step"]: metric(h, "eval/accuracy") for h in result.history if "eval/accuracy" in h}
   steps = [h for h in result.history if "rewards/mean" in h]
   times = [metric(h, "time/step_s") for h in steps[1:]] or [float("nan")]
+  # The ratio diagnostics of the objectives that have a ratio (docs/diagnostics.md).
+  logged = lambda name: [metric(h, name) for h in steps if name in h]
+  mean = lambda xs: statistics.fmean(xs) if xs else None
+  clipped = [a + b for a, b in zip(logged("clip/frac_upper"), logged("clip/frac_lower"))]
   return {"eval": evals, "reward": [metric(h, REWARD_METRIC) for h in steps],
           "step_s": statistics.median(times), "wall_s": result.wall_s,
-          "stopped": result.stopped}
+          "stopped": result.stopped, "ratio_noise_share": mean(logged("ratio_noise/share")),
+          "clipped_fraction": mean(clipped),
+          "clip_bound_final": (logged("clip/max_ratio") or [None])[-1]}
 
 
 def _final(run: dict) -> float:
   return run["eval"][max(run["eval"])]
+
+
+_DIAGNOSTICS = ("ratio_noise_share", "clipped_fraction", "clip_bound_final")
+
+
+def _mean_of(runs: list[dict], field: str) -> float | None:
+  """The mean over seeds of a per-run diagnostic (None where a run has none: no ratio)."""
+  values = [r[field] for r in runs if r.get(field) is not None]
+  return statistics.fmean(values) if values else None
 
 
 def row_summary(per_seed: dict, estimator: str, reference: dict | None,
@@ -139,6 +158,7 @@ def row_summary(per_seed: dict, estimator: str, reference: dict | None,
       "eval_best": mean([max(r["eval"].values()) for r in runs if r["eval"]]),
       "reward_final": mean([mean(r["reward"][-_FINAL_STEPS:]) for r in runs]),
       "step_s": mean([r["step_s"] for r in runs]),
+      "diagnostics": {field: _mean_of(runs, field) for field in _DIAGNOSTICS},
       "paired": {"reference": reference_name, **paired(
           [per_seed[s]["eval"][max(reference[s]["eval"])] - _final(reference[s])
            for s in common])},
@@ -192,6 +212,20 @@ def markdown_table(comparison: dict) -> str:
   return "\n".join(lines)
 
 
+def diagnostics_table(comparison: dict) -> str:
+  """The ratio diagnostics of the rows that have a ratio: means over steps, then seeds."""
+  lines = ["| row | ratio_noise/share | clipped fraction | clip bound at the end |",
+           "|---|---|---|---|"]
+  for name, e in comparison.items():
+    d = e.get("diagnostics", {})
+    if d.get("ratio_noise_share") is None and d.get("clipped_fraction") is None:
+      continue
+    cell = lambda x, form: "-" if x is None else format(x, form)
+    lines.append(f"| {name} | {cell(d['ratio_noise_share'], '.3f')} | "
+                 f"{cell(d['clipped_fraction'], '.2%')} | {cell(d['clip_bound_final'], '.2f')} |")
+  return "\n".join(lines)
+
+
 def main(argv) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -241,6 +275,7 @@ def main(argv) -> None:
     json.dump(comparison, f, indent=2)
   plot(comparison, os.path.join(workdir, "comparison.png"))
   print("\n" + markdown_table(comparison))
+  print("\n" + diagnostics_table(comparison))
   print(f"\nwall time {time.perf_counter() - began:.0f} s; wrote {workdir}/comparison.json and "
         "comparison.png")
 

@@ -18,13 +18,12 @@ import pytest
 
 from stabledrl_jax import models
 from stabledrl_jax.models.llada import flops
+from stabledrl_jax.training import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # A toy-size run of the quickstart-based configs: seconds per objective.
-TOY = ["--config.sft.num_steps=20", "--config.sft.batch_size=16", "--config.data.train_size=64",
-       "--config.data.eval_size=8", "--config.eval.batch_size=8", "--config.train.num_steps=2",
-       "--config.rollout.num_prompts=2", "--config.rollout.group_size=4"]
+TOY = [f"--config.{field}={value}" for field, value in sweep.TOY_OVERRIDES.items()]
 
 
 def run_script(name, *args, check=True, env=None):
@@ -81,8 +80,8 @@ def test_stress_test_writes_summary_and_figure(tmp_path):
 
 @pytest.mark.slow
 def test_compare_objectives_writes_table_and_figure(tmp_path):
-  run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0,1",
-             "--rows=stabledrl,spg_official", "--config.eval.every_steps=1", *TOY)
+  out = run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0,1",
+                   "--rows=stabledrl,spg_official", "--config.eval.every_steps=1", *TOY)
   comparison = json.loads((tmp_path / "comparison.json").read_text())
   assert sorted(comparison) == ["spg_official", "stabledrl"]
   for entry in comparison.values():
@@ -98,6 +97,21 @@ def test_compare_objectives_writes_table_and_figure(tmp_path):
   half = 12.706205 * abs(diffs[0] - diffs[1]) / 2  # t(0.975, 1) x sd / sqrt(2)
   assert (p["low"], p["high"]) == pytest.approx((p["mean"] - half, p["mean"] + half))
   assert comparison["stabledrl"]["paired"]["mean"] == 0
+  # The ratio diagnostics: means over each run's steps, then over seeds; SPG has no ratio.
+  for seed in ("0", "1"):
+    logs = [json.loads(line) for line in
+            (tmp_path / f"seed{seed}" / "stabledrl" / "metrics.jsonl").read_text().splitlines()]
+    shares = [float(r["ratio_noise/share"]) for r in logs if "ratio_noise/share" in r]
+    assert len(shares) == 2
+    assert comparison["stabledrl"]["seeds"][seed]["ratio_noise_share"] == pytest.approx(
+        np.mean(shares))
+  d = comparison["stabledrl"]["diagnostics"]
+  assert d["ratio_noise_share"] == pytest.approx(np.mean(
+      [comparison["stabledrl"]["seeds"][s]["ratio_noise_share"] for s in ("0", "1")]))
+  assert d["clip_bound_final"] == 5.0 and 0 <= d["clipped_fraction"] <= 1
+  assert set(comparison["spg_official"]["diagnostics"].values()) == {None}
+  diagnostics = out.stdout.split("| row | ratio_noise/share |")[1]
+  assert "| stabledrl |" in diagnostics and "| spg_official |" not in diagnostics
   # Each row runs the estimator it names.
   configs = {row: json.loads(json.loads(
       (tmp_path / "seed0" / row / "run_result.json").read_text())["config"]) for row in comparison}
@@ -275,6 +289,19 @@ def test_notebooks_are_committed_without_outputs(path):
   for cell in notebook["cells"]:
     if cell["cell_type"] == "code":
       assert cell["outputs"] == [] and cell["execution_count"] is None, cell["source"][:80]
+  # CI runs the cells at toy size: each config a notebook loads is sized by notebook_size.
+  code = "".join("".join(cell["source"]) for cell in notebook["cells"])
+  assert code.count("config_lib.get(") == code.count("sweep.notebook_size(") > 0, path.name
+
+
+def test_notebook_size_is_toy_size_only_where_asked(monkeypatch):
+  overrides = {"train.num_steps": 20, "eval.every_steps": 0}
+  monkeypatch.delenv(sweep.TOY_ENV, raising=False)
+  assert sweep.notebook_size(overrides) == overrides
+  monkeypatch.setenv(sweep.TOY_ENV, "0")
+  assert sweep.notebook_size(overrides) == overrides
+  monkeypatch.setenv(sweep.TOY_ENV, "1")
+  assert sweep.notebook_size(overrides) == {"eval.every_steps": 0, **sweep.TOY_OVERRIDES}
 
 
 @pytest.mark.slow
@@ -426,7 +453,6 @@ def test_sampler_memory_compares_each_cache_with_the_exact_sampler(tmp_path):
 
 def test_compare_objectives_rows_are_like_for_like_or_all_official():
   compare = _load_experiment("compare_objectives")
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
   official = compare.official_rows()
   assert {name: overrides for name, (overrides, _) in official.items()} == \
       sweep.objective_variants()

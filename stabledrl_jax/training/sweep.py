@@ -24,6 +24,22 @@ _BEGUN_FILE = "run_config.json"  # Written when a run starts: a cut run of this 
 # terms every completion gets (StableDRL's anti-short-boxed reward).
 REWARD_METRIC = "rewards/correctness"
 
+# A toy-size run of the quickstart-based configs (seconds per run): the experiments' tests, and
+# the notebooks where TOY_ENV is "1" (CI's notebook tests run their cells at this size).
+TOY_OVERRIDES = {"sft.num_steps": 20, "sft.batch_size": 16, "data.train_size": 64,
+                 "data.eval_size": 8, "eval.batch_size": 8, "train.num_steps": 2,
+                 "rollout.num_prompts": 2, "rollout.group_size": 4}
+TOY_ENV = "STABLEDRL_NOTEBOOK_TOY"
+
+
+def notebook_size(overrides: dict[str, Any]) -> dict[str, Any]:
+  """A notebook's config ``overrides``, with ``TOY_OVERRIDES`` over them where the environment
+  variable STABLEDRL_NOTEBOOK_TOY is "1" (the same cells, at toy size)."""
+  if os.environ.get(TOY_ENV, "") == "1":
+    return {**overrides, **TOY_OVERRIDES}
+  return dict(overrides)
+
+
 def objective_variants() -> dict[str, dict[str, Any]]:
   """The objectives compared, as {name: config overrides as dotted paths}: every registered
   objective, or its registered variants (``grpo_token``, ``grpo_sequence``). Each runs with its
