@@ -37,11 +37,12 @@ def run_script(name, *args, check=True, env=None):
 
 @pytest.mark.slow
 def test_stress_test_writes_summary_and_figure(tmp_path):
-  # One objective: every objective's trainer path is tested in tests/test_training.py.
-  toy = [*TOY, "--config.train.num_steps=1"]
+  # One objective, its official coupling only: every objective's trainer path is tested in
+  # tests/test_training.py, each run's settings below.
+  toy = [*TOY, "--config.train.num_steps=1", "--noother_coupling"]
   out = run_script("stress_test.py", f"--workdir={tmp_path}", "--objectives=stabledrl", *toy)
   summary = json.loads((tmp_path / "summary.json").read_text())
-  conditions = ("normal", "stress", "normal_coupled", "stress_coupled")
+  conditions = ("normal", "stress")
   assert sorted(summary) == sorted(["frozen/normal"] + [f"stabledrl/{c}" for c in conditions])
   for entry in summary.values():
     assert entry["steps"] == 1
@@ -53,7 +54,6 @@ def test_stress_test_writes_summary_and_figure(tmp_path):
   configs = {key: json.loads(json.loads((tmp_path / key / "run_result.json").read_text())["config"])
              for key in summary}
   assert configs["stabledrl/stress"]["estimator"]["coupled_ratio"] is None
-  assert configs["stabledrl/stress_coupled"]["estimator"]["coupled_ratio"] is True
   assert configs["stabledrl/stress"]["estimator"]["stress"]["fraction"] == 0.7
   assert configs["frozen/normal"]["optimizer"]["learning_rate"] == 1e-12
   # The frozen control evaluates where it started: its policy did not move.
@@ -102,7 +102,7 @@ def test_compare_objectives_writes_table_and_figure(tmp_path):
     logs = [json.loads(line) for line in
             (tmp_path / f"seed{seed}" / "stabledrl" / "metrics.jsonl").read_text().splitlines()]
     shares = [float(r["ratio_noise/share"]) for r in logs if "ratio_noise/share" in r]
-    assert len(shares) == 2
+    assert shares  # Logged where the step can compare its updates.
     assert comparison["stabledrl"]["seeds"][seed]["ratio_noise_share"] == pytest.approx(
         np.mean(shares))
   d = comparison["stabledrl"]["diagnostics"]
@@ -124,6 +124,32 @@ def test_compare_objectives_writes_table_and_figure(tmp_path):
   run_script("compare_objectives.py", f"--workdir={tmp_path}", "--seeds=0,1,2",
              "--rows=wd1,stabledrl,spg_official", "--summarize_only")
   assert json.loads((tmp_path / "comparison.json").read_text()) == comparison
+
+
+def test_stress_test_runs_each_objective_with_its_official_coupling_then_the_other():
+  """Each variant's conditions and their settings: official (``coupled_ratio`` unset), then the
+  other coupling for an objective with a ratio; none for SPG and wd1 (no l_old)."""
+  stress = _load_experiment("stress_test")
+  from stabledrl_jax.training import config_lib, specs  # pylint: disable=g-import-not-at-top
+  base = config_lib.from_file(REPO / "configs" / "stress_test.py")
+  assert base.estimator.get("coupled_ratio") is None
+  expected = {"stabledrl": "coupled", "stabledrl_adaptive": "coupled", "spg": None, "wd1": None,
+              "grpo_token": "independent", "grpo_sequence": "independent", "espo": "independent"}
+  assert set(expected) == set(sweep.objective_variants())
+  for name, other in expected.items():
+    official = ("normal", "stress")
+    assert stress.conditions(base, name, False) == official
+    assert stress.conditions(base, name, True) == official + (
+        (f"normal_{other}", f"stress_{other}") if other else ())
+    for condition in stress.conditions(base, name, True):
+      config = sweep.with_overrides(base, stress.run_overrides(name, condition, 0.7))
+      coupled = specs.estimator_settings(config)["coupled_ratio"]
+      if condition in official:  # The objective's own coupling.
+        assert "coupled_ratio" not in stress.run_overrides(name, condition, 0.7)
+      else:
+        assert coupled == (other == "coupled")
+      assert config.estimator.stress.fraction == (0.7 if condition.startswith("stress") else 0.0)
+      assert config.train.gradient_bound == (config.objective.name == "stabledrl")
 
 
 @pytest.mark.parametrize("script,flag", [("stress_test.py", "--objectives"),
@@ -412,18 +438,18 @@ def test_ratio_noise_study_runs_each_row_as_it_says():
 
 @pytest.mark.slow
 def test_ratio_noise_study_writes_table_and_figure_and_resumes_a_cut_run(tmp_path):
-  args = [f"--workdir={tmp_path}", "--rows=stabledrl,espo_independent", "--mu=1,2", *TOY,
+  # A stressed row runs at the smallest mu only.
+  args = [f"--workdir={tmp_path}", "--rows=stabledrl,espo_stress", "--mu=1,2", *TOY,
           "--config.eval.every_steps=1", "--config.checkpoint.every_steps=1"]
   out = run_script("ratio_noise_study.py", *args)
   study = json.loads((tmp_path / "study.json").read_text())
-  assert sorted(study) == ["espo_independent/mu1", "espo_independent/mu2", "stabledrl/mu1",
-                           "stabledrl/mu2"]
+  assert sorted(study) == ["espo_stress/mu1", "stabledrl/mu1", "stabledrl/mu2"]
   for entry in study.values():
     assert entry["steps"] == [1, 2] and sorted(entry["eval"]) == ["0", "1", "2"]
     assert entry["curves"]["kl_start"][0] == 0.0  # before the first update
     assert all(math.isfinite(x) for x in entry["curves"]["log_ratio_var"])
   assert study["stabledrl/mu2"]["ess_min"] is not None
-  assert study["espo_independent/mu1"]["ess_min"] is None
+  assert study["espo_stress/mu1"]["ess_min"] is None
   assert (tmp_path / "study.png").stat().st_size > 0
   assert "| stabledrl | 2 |" in out.stdout
   # A run cut short resumes from its checkpoint: its logged steps are kept, not retrained.

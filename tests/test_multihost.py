@@ -255,23 +255,25 @@ def test_two_processes_evaluate_what_one_process_evaluates(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_one_process_saves_on_a_signal_and_fills_the_compilation_cache(tmp_path, reference,
-                                                                      signum):
-  """One process alone: SIGTERM (preemption) or SIGINT (Ctrl-C) saves the step it is on and
-  exits 0; the rerun finishes with the uninterrupted run's metrics. ``train.compilation_cache_dir``
-  receives the compiled steps."""
+def test_one_process_saves_on_a_signal_and_fills_the_compilation_cache(tmp_path, reference):
+  """One process alone: SIGTERM (preemption), then in the rerun SIGINT (Ctrl-C), each saves the
+  step it is on and exits 0; the third run finishes with the uninterrupted run's metrics.
+  ``train.compilation_cache_dir`` receives the compiled steps."""
   logs = tmp_path / "logs"
   logs.mkdir()
   workdir = with_start(tmp_path / "one", reference)
   cache = tmp_path / "cache"
   extra = (f"--config.train.compilation_cache_dir={cache}",)
-  running = train(workdir, *extra, processes=1, devices=8, log_dir=logs)
-  assert _wait_for_step(workdir, 1, running), _logs(logs)
-  running[0].send_signal(signum)
-  assert wait(running) == [0], _logs(logs)
-  stopped = checkpointing.Checkpointer(workdir, read_only=True).latest_step()
-  assert 1 <= stopped < NUM_STEPS, "the run finished before the signal arrived"
+  stopped = 0
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    running = train(workdir, *extra, processes=1, devices=8, log_dir=logs)
+    assert _wait_for_step(workdir, stopped + 1, running), _logs(logs)
+    running[0].send_signal(signum)
+    assert wait(running) == [0], _logs(logs)
+    saved = checkpointing.Checkpointer(workdir, read_only=True).latest_step()
+    assert stopped < saved < NUM_STEPS, f"{signum!r}: the run finished before the signal arrived"
+    assert max(r["step"] for r in _records(workdir)) == saved
+    stopped = saved
   assert any(cache.iterdir())
   assert wait(train(workdir, *extra, processes=1, devices=8, log_dir=logs)) == [0], _logs(logs)
   _assert_same_metrics(_records(workdir), _records(reference), atol=0)

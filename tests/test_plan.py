@@ -74,15 +74,17 @@ def test_out_of_memory_messages_are_parsed():
 def test_tiny_config_on_a_v5litepod_4(tmp_path):
   out, md = tmp_path / "plan.json", tmp_path / "plan.md"
   args = ["--config", "quickstart", "--topology", "v5litepod-4", "--what",
-          "train,sampler,evaluate", "--caches", "none,dual", "--remasking", "low_confidence",
+          "train,sampler,evaluate", "--caches", "dual", "--remasking", "low_confidence",
           f"--output={out}", f"--markdown={md}"]
   done = run_plan(*args)
   assert done.stderr == ""  # libtpu's warnings about the missing TPU environment kept away.
   data = json.loads(out.read_text())
   rows = data["rows"]
   assert data["pending"] == []
+  # One cache setting: each cache's own memory is test_sampler_memory_compares_each_cache_...'s
+  # (tests/test_experiments.py).
   assert [(r["what"], r["settings"].get("rollout.cache")) for r in rows] == [
-      ("train", None), ("sampler", "none"), ("sampler", "dual"), ("evaluate", None)]
+      ("train", None), ("sampler", "dual"), ("evaluate", None)]
   for row in rows:
     assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
     assert row["topology"] == "v5litepod-4" and row["topology_name"] == "v5e:2x2"
@@ -94,15 +96,15 @@ def test_tiny_config_on_a_v5litepod_4(tmp_path):
     assert 0 < m["argument"] and 0 < m["temp"] < row["chip_bytes"]
     assert row["compile_seconds"] > 0 and row["config"] == "quickstart"
     assert row["parameters_bytes"] > 0
-  train, none, dual, evaluate = rows
+  train, dual, evaluate = rows
   assert train["settings"] == {"train.microbatch_groups": 16, "model.remat": False}
   assert evaluate["settings"] == {"eval.batch_size": 128}
-  assert none["settings"]["rollout.microbatch_groups"] == 16
-  assert none["kv_cache_bytes"] == 0 < dual["kv_cache_bytes"]
+  assert dual["settings"]["rollout.microbatch_groups"] == 16
+  assert dual["kv_cache_bytes"] > 0
   # Adam's two moments (float32, as the parameters), and its step counts.
   assert 0 <= train["optimizer_bytes"] - 2 * train["parameters_bytes"] <= 64
   table = md.read_text()
-  assert table.count("| quickstart | v5litepod-4 (`v5e:2x2`, 4 chips) |") == 4
+  assert table.count("| quickstart | v5litepod-4 (`v5e:2x2`, 4 chips) |") == 3
   assert "Projected time" in table and data["projections"][0]["mfu"] == 0.4
   # --resume compiles nothing and keeps the rows.
   again = run_plan(*args, "--resume")
