@@ -112,7 +112,8 @@ def paired(diffs: list[float]) -> dict:
 
 def run_summary(result) -> dict:
   """Per-seed curves of one run."""
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
   evals = {h["step"]: metric(h, "eval/accuracy") for h in result.history if "eval/accuracy" in h}
   steps = [h for h in result.history if "rewards/mean" in h]
   times = [metric(h, "time/step_s") for h in steps[1:]] or [float("nan")]

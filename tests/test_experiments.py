@@ -495,7 +495,7 @@ def test_a_sweep_run_cut_by_a_signal_is_not_recorded_as_finished(tmp_path, monke
   """The trainer returns normally after a signal saves the run; the sweep must not take the
   cut run for a finished one: no run_result.json, a one-line exit naming the run, and the same
   call later resumes it."""
-  from stabledrl_jax.training import config_lib, sweep, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import config_lib, trainer  # pylint: disable=g-import-not-at-top
   config = config_lib.get("quickstart")
   config.train.num_steps = 2
   start = tmp_path / "start"
