@@ -16,7 +16,7 @@ Most of the suite's time is XLA compiling tiny models on CPU, not running them:
   (tests/test_experiments.py) trains at full size. Set STABLEDRL_NOTEBOOK_TOY=0 to run them at
   their own size, with XLA's default optimization.
 
-Subprocesses and notebook kernels inherit both through the environment.
+Subprocesses and notebook kernels inherit these settings through the environment.
 """
 
 import os
@@ -26,6 +26,7 @@ _CACHE = pathlib.Path(__file__).resolve().parent / ".pytest_cache" / "jax-compil
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 _NOTEBOOK_TOY = "STABLEDRL_NOTEBOOK_TOY"  # = sweep.TOY_ENV (read without importing the package)
+_USER_NOTEBOOK_TOY = os.environ.get(_NOTEBOOK_TOY)
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 # Small programs compile faster than they load from disk.
@@ -53,7 +54,8 @@ def pytest_runtest_setup(item):
   """A notebook's kernel (started by nbmake during the test) runs at toy size unless the user
   says otherwise; at its own size it gets the user's XLA_FLAGS."""
   if _is_notebook(item):
-    os.environ.setdefault(_NOTEBOOK_TOY, "1")
+    if _USER_NOTEBOOK_TOY is None:
+      os.environ[_NOTEBOOK_TOY] = "1"
     if os.environ[_NOTEBOOK_TOY] == "1":
       return
     if _USER_XLA_FLAGS is None:
@@ -65,3 +67,5 @@ def pytest_runtest_setup(item):
 def pytest_runtest_teardown(item):
   if _is_notebook(item):
     os.environ["XLA_FLAGS"] = _TEST_XLA_FLAGS
+    if _USER_NOTEBOOK_TOY is None:
+      os.environ.pop(_NOTEBOOK_TOY, None)

@@ -20,7 +20,8 @@ where it stopped. Writes ``<workdir>/comparison.json``:
 
   {"<row>": {"estimator", "eval_start", "eval_final", "eval_final_std", "eval_best",
              "reward_final", "step_s", "paired": {"reference", "n", "mean", "low", "high"},
-             "diagnostics": {"ratio_noise_share", "clipped_fraction", "clip_bound_final"},
+             "diagnostics": {"ratio_noise_share", "clipped_fraction", "clip_bound_final",
+                             "snis_ess"},
              "seeds": {"<seed>": {"eval": {step: accuracy}, "reward": [...], "step_s",
                                   "wall_s", "stopped", <the diagnostics>}}}}
 
@@ -31,7 +32,8 @@ same seed, with a 95% Student-t interval (a paired difference removes the spread
 starts); ``reward_final``: mean rollout reward of the last 10 steps; ``step_s``: median seconds
 per RL step after the first; ``diagnostics`` (rows with a ratio): the mean over steps of
 ``ratio_noise/share``, of the clipped fraction (``clip/frac_upper`` + ``clip/frac_lower``) and
-the last ``clip/max_ratio``, means over seeds (None where a row logs none). Also draws
+of StableDRL's ``snis/ess`` (of a group's weights), and the last ``clip/max_ratio``, means over
+seeds (None where a row logs none). Also draws
 ``<workdir>/comparison.png`` and prints both tables.
 """
 
@@ -125,14 +127,15 @@ def run_summary(result) -> dict:
           "step_s": statistics.median(times), "wall_s": result.wall_s,
           "stopped": result.stopped, "ratio_noise_share": mean(logged("ratio_noise/share")),
           "clipped_fraction": mean(clipped),
-          "clip_bound_final": (logged("clip/max_ratio") or [None])[-1]}
+          "clip_bound_final": (logged("clip/max_ratio") or [None])[-1],
+          "snis_ess": mean(logged("snis/ess"))}
 
 
 def _final(run: dict) -> float:
   return run["eval"][max(run["eval"])]
 
 
-_DIAGNOSTICS = ("ratio_noise_share", "clipped_fraction", "clip_bound_final")
+_DIAGNOSTICS = ("ratio_noise_share", "clipped_fraction", "clip_bound_final", "snis_ess")
 
 
 def _mean_of(runs: list[dict], field: str) -> float | None:
@@ -214,16 +217,18 @@ def markdown_table(comparison: dict) -> str:
 
 
 def diagnostics_table(comparison: dict) -> str:
-  """The ratio diagnostics of the rows that have a ratio: means over steps, then seeds."""
-  lines = ["| row | ratio_noise/share | clipped fraction | clip bound at the end |",
-           "|---|---|---|---|"]
+  """The ratio diagnostics of the rows that have a ratio: means over steps (the clip bound: the
+  last step's), then over seeds."""
+  lines = ["| row | ratio_noise/share | clipped fraction | clip bound at the end | SNIS ESS |",
+           "|---|---|---|---|---|"]
   for name, e in comparison.items():
     d = e.get("diagnostics", {})
     if d.get("ratio_noise_share") is None and d.get("clipped_fraction") is None:
       continue
     cell = lambda x, form: "-" if x is None else format(x, form)
     lines.append(f"| {name} | {cell(d['ratio_noise_share'], '.3f')} | "
-                 f"{cell(d['clipped_fraction'], '.2%')} | {cell(d['clip_bound_final'], '.2f')} |")
+                 f"{cell(d['clipped_fraction'], '.2%')} | {cell(d['clip_bound_final'], '.2f')} | "
+                 f"{cell(d['snis_ess'], '.2f')} |")
   return "\n".join(lines)
 
 

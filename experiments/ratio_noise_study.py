@@ -98,7 +98,8 @@ def run_keys(names: list[str], mus: list[int]) -> list[tuple[str, int]]:
 def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
              window: int) -> dict | None:
   """The first sign of collapse in a run's history (see the module docstring), or None."""
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
   steps = [h for h in history if REWARD_METRIC in h]
   for h in steps:
     if int(h.get("skipped_steps", 0)) > 0:
@@ -125,7 +126,8 @@ def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
 
 def run_summary(result, **criteria) -> dict:
   """Curves and the summary statistics of one run."""
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
   steps = [h for h in result.history if "grad_norm" in h]
   curves = {name: [metric(h, key or REWARD_METRIC) if (key or REWARD_METRIC) in h else None
                    for h in steps] for name, key in CURVES.items()}

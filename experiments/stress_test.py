@@ -114,7 +114,8 @@ def run_overrides(name: str, condition: str, fraction: float) -> dict:
 
 def summarize(result, threshold: float, final_steps: int) -> dict:
   """The summary.json entry of one run (see the module docstring)."""
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
   steps = [h for h in result.history if "grad_norm" in h]
   norms = [metric(h, "grad_norm") for h in steps]
   finite = [n for n in norms if math.isfinite(n)]
@@ -154,7 +155,8 @@ def plot(results: dict, names: list[str], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")  # Files only: no display needed.
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
 
   fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.4), sharex=True,
                            squeeze=False)

@@ -45,7 +45,7 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import scoring, tasks
+from stabledrl_jax import hub, models, scoring, tasks
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models.llada import sampler as llada_sampler
@@ -385,6 +385,17 @@ def _check_writable(directory: str, flag: str) -> None:
     raise ValueError(f"{flag} {directory!r} is not writable: no write permission on {ancestor}")
 
 
+def _check_decoding(settings: Sequence[SamplerSettings], model_config: Any, where: str) -> None:
+  """Raises ValueError, naming the checkpoint and its family, unless its sampler takes every
+  setting (``Decoding.check``)."""
+  for setting in settings:
+    try:
+      setting.check(model_config)
+    except ValueError as error:
+      family = family_lib.of(model_config).name
+      raise ValueError(f"{where} (a {family} checkpoint): {error}") from None
+
+
 def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   """Generates the missing shards of every task and length, then scores OUTPUT_DIR.
 
@@ -424,19 +435,22 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
                               devices=jax.local_devices())
   except ValueError as error:
     raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(options.mesh)}: {error}") from None
-  source = checkpoint_source.resolve(options.checkpoint, options.step)
   dtype = options.dtype
   if dtype == "auto":  # bf16 wherever it is fast; float32 on CPUs.
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  model_config = checkpoint_source.model_config(source, dtype=jnp.dtype(dtype))
-  for setting in settings:  # By the checkpoint's own sampler's rules (no weight read yet).
-    setting.check(model_config)
+  dtype = jnp.dtype(dtype)
+  if hub.is_hub_id(options.checkpoint):  # Its config.json alone first: before any weight fetch.
+    _check_decoding(settings, models.load_config(options.checkpoint, dtype=dtype,
+                                                 param_dtype=dtype), options.checkpoint)
+  source = checkpoint_source.resolve(options.checkpoint, options.step)
+  model_config = checkpoint_source.model_config(source, dtype=dtype)
+  _check_decoding(settings, model_config, source.path)  # No weight is read yet.
   tokenizer = checkpoint_source.load_tokenizer(source, options.tokenizer)
   data.check_tokenizer(model_config, tokenizer)
   test_sets = {name: load_test_set(name, sources[name], data_dir=options.data_dir,
                                    limit=options.limit, seed=options.seed,
                                    workdir_config=source.config) for name in names}
-  model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
+  model = checkpoint_source.load_model(source, mesh=mesh, dtype=dtype)
 
   # A workdir's prompts are those it trained on; d1's carry the task's instruction.
   with_instruction = options.with_instruction

@@ -482,6 +482,32 @@ def test_bad_options(tmp_path, hf_checkpoint, overrides, message):
   assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("checkpoint,overrides,message", [
+    ("sdar_checkpoint", {"cache": "dual"}, r"\(a sdar checkpoint\): .*SDAR's sampler always keeps"),
+    ("sdar_checkpoint", {"remasking": "random"}, "remasking 'random' is not one of SDAR's"),
+    ("workdir", {"remasking": "low_confidence_dynamic"},
+     r"tiny-run \(a llada checkpoint\): remasking must be one of"),
+])
+def test_each_checkpoint_refuses_what_its_own_sampler_refuses(tmp_path, request, checkpoint,
+                                                              overrides, message):
+  path = request.getfixturevalue(checkpoint)
+  path = path[0] if isinstance(path, tuple) else path
+  with pytest.raises(ValueError, match=message):
+    evaluate.run(options(path, tmp_path / "out", **overrides))
+  assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_reports_a_sampler_setting_the_checkpoint_refuses(tmp_path, hf_checkpoint):
+  completed = subprocess.run(
+      [sys.executable, "-m", "stabledrl_jax.evaluate", f"--checkpoint={hf_checkpoint}",
+       f"--output_dir={tmp_path / 'out'}", "--task=sudoku", "--gen_lengths=100"],
+      cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+  assert completed.returncode == 1, completed.stderr[-2000:]
+  (line,) = [l for l in completed.stderr.splitlines() if "must be a multiple of block_length" in l]
+  assert line.startswith("error: ") and "(a llada checkpoint)" in line
+  assert "Traceback" not in completed.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--task=chess"], "unknown task 'chess'"),
     (["--task=sudoku", "--checkpoint=/nonexistent"], "does not exist"),

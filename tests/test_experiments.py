@@ -50,7 +50,7 @@ def test_stress_test_writes_summary_and_figure(tmp_path):
                   "eval_start", "eval_final"):
       assert math.isfinite(entry[field]), (field, entry)
     assert entry["max_log10_ratio"] is not None
-  # Each run as configured: official (independent) masks, then coupled; the control frozen.
+  # Each run as configured: official (independent) masks only; the control frozen.
   configs = {key: json.loads(json.loads((tmp_path / key / "run_result.json").read_text())["config"])
              for key in summary}
   assert configs["stabledrl/stress"]["estimator"]["coupled_ratio"] is None
@@ -105,6 +105,12 @@ def test_compare_objectives_writes_table_and_figure(tmp_path):
     assert shares  # Logged where the step can compare its updates.
     assert comparison["stabledrl"]["seeds"][seed]["ratio_noise_share"] == pytest.approx(
         np.mean(shares))
+    clipped = [float(r["clip/frac_upper"]) + float(r["clip/frac_lower"]) for r in logs
+               if "clip/frac_upper" in r]
+    assert comparison["stabledrl"]["seeds"][seed]["clipped_fraction"] == pytest.approx(
+        np.mean(clipped))
+    ess = [float(r["snis/ess"]) for r in logs if "snis/ess" in r]
+    assert comparison["stabledrl"]["seeds"][seed]["snis_ess"] == pytest.approx(np.mean(ess))
   d = comparison["stabledrl"]["diagnostics"]
   assert d["ratio_noise_share"] == pytest.approx(np.mean(
       [comparison["stabledrl"]["seeds"][s]["ratio_noise_share"] for s in ("0", "1")]))

@@ -142,3 +142,21 @@ def test_process_0_fetches_and_the_others_read_the_shared_cache(monkeypatch):
   barriers.clear()
   assert hub.local_path(REPO_ID, download="each_host") == "/cache/snapshot"
   assert calls == [False] and barriers == []
+
+
+def test_evaluate_refuses_bad_settings_from_a_hub_ids_config_alone(tmp_path, monkeypatch):
+  """`stabledrl-evaluate --checkpoint=OWNER/NAME`: the settings are judged by the family its
+  config.json names before any weight is fetched (here the cache holds no weights at all)."""
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import evaluate  # pylint: disable=g-import-not-at-top
+  cache = _hub_cache(tmp_path / "cache")
+  snapshot = cache / ("models--" + REPO_ID.replace("/", "--")) / "snapshots" / COMMIT
+  for weights in snapshot.glob("*.safetensors*"):
+    weights.unlink()
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  options = evaluate.Options(checkpoint=REPO_ID, task=["sudoku"], output_dir=str(tmp_path / "out"),
+                             remasking="low_confidence_dynamic")
+  with pytest.raises(ValueError, match=rf"^{REPO_ID} \(a llada checkpoint\): remasking must be"):
+    evaluate.run(options)
+  assert not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ import fractions
 import functools
 import math
 import re
+import pathlib
 import signal
 import threading
 import time
@@ -759,8 +760,7 @@ def test_the_cpu_deadline_waits_out_a_loaded_machine_and_restores_the_callers_ti
       lambda: time.sleep(0.1) or "done", 0.05, wall_factor=100) == "done"
   # ... up to the wall-clock cap.
   with pytest.raises(deadline.DeadlineExceeded):
-    deadline.call_with_deadline(
-        lambda: time.sleep(60), 0.05, wall_factor=4)
+    deadline.call_with_deadline(lambda: time.sleep(60), 0.05, wall_factor=4)
   fired = []
   previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
   try:
@@ -794,3 +794,16 @@ def test_the_training_scorer_is_bounded_on_huge_powers(scheme):
   assert set(components[:, correctness].tolist()) == {-1.0 if scheme == "stabledrl" else 0.0}
   right = scorer(["\\boxed{5}"], examples[:1])  # and a right answer is still right
   assert right[0, correctness] == 1.0
+
+
+def test_the_helper_pool_imports_nothing_of_the_work_it_runs():
+  """No import cycle: symbolic_worker (imported by math_equivalence) starts the helpers'
+  program by name and imports neither math_equivalence nor symbolic_helper."""
+  import ast  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.rewards import symbolic_worker  # pylint: disable=g-import-not-at-top
+  tree = ast.parse(pathlib.Path(symbolic_worker.__file__).read_text())
+  imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              for alias in node.names} | {alias.name for node in ast.walk(tree)
+                                           if isinstance(node, ast.Import) for alias in node.names}
+  assert not imported & {"math_equivalence", "symbolic_helper"}, imported
+  assert symbolic_worker.HELPER_MODULE == "stabledrl_jax.rewards.symbolic_helper"

@@ -199,7 +199,7 @@ def _read_hf_config(path: str) -> dict[str, Any]:
 
 def load_config(path: str, **overrides) -> Any:
   """The model config of a checkpoint directory or Hub id (its config.json; no tensor is read)."""
-  hf_config = _read_hf_config(hub.local_path(path))
+  hf_config = _read_hf_config(hub.local_path(path, files=(CONFIG_FILE,)))
   return family_of(hf_config).checkpoint.config_from_hf(hf_config, **overrides)
 
 
