@@ -141,7 +141,7 @@ def test_stress_test_runs_each_objective_with_its_official_coupling_then_the_oth
   assert base.estimator.get("coupled_ratio") is None
   expected = {"stabledrl": "coupled", "stabledrl_adaptive": "coupled", "spg": None, "wd1": None,
               "grpo_token": "independent", "grpo_sequence": "independent", "espo": "independent"}
-  assert set(expected) == set(sweep.objective_variants())
+  assert set(expected) <= set(sweep.objective_variants())  # (tests may register plugins)
   for name, other in expected.items():
     official = ("normal", "stress")
     assert stress.conditions(base, name, False) == official
