@@ -212,6 +212,54 @@ def test_the_detector_flags_jumps_and_non_finite_steps():
   assert spikes.SpikeDetector(0.0).check(np.asarray([1e9]), False)[0] is None
 
 
+def test_steps_without_gradient_stay_out_of_the_window():
+  """A zero norm (every advantage 0) says nothing of the scale: after a run of them the next
+  nonzero step is no spike, and the median is never 0 (the trainer divides by it)."""
+  detector = spikes.SpikeDetector(factor=10.0, window=4, min_history=2)
+  for _ in range(6):
+    reason, norm, median = detector.check(np.asarray([0.0, 0.0]), False)
+    assert (reason, norm) == (None, 0.0) and math.isnan(median)
+  reason, norm, median = detector.check(np.asarray([3.0]), False)
+  assert (reason, norm) == (None, 3.0) and math.isnan(median)
+  detector.check(np.asarray([0.0]), False)
+  assert detector.check(np.asarray([2.0]), False)[0] is None
+  assert detector.median() == 2.5
+  assert detector.check(np.asarray([26.0]), False)[:2] == ("grad_norm", 26.0)
+
+
+@hypothesis.given(st.lists(st.lists(st.one_of(st.just(0.0), st.floats(0, 1e6), st.just(math.inf)),
+                                    min_size=1, max_size=3), max_size=30),
+                  st.floats(0, 100), st.integers(1, 6), st.integers(1, 6))
+@hypothesis.settings(deadline=None, max_examples=100)
+def test_the_detector_median_is_positive_or_unknown(steps, factor, window, min_history):
+  detector = spikes.SpikeDetector(factor, window, min_history)
+  for norms in steps:
+    reason, norm, median = detector.check(np.asarray(norms), False)
+    assert math.isnan(median) or median > 0
+    assert (reason == "non_finite") == (not math.isfinite(norm))
+    assert reason != "grad_norm" or norm > factor * median
+    assert all(x > 0 and math.isfinite(x) for x in detector.history)
+
+
+def test_a_nonzero_step_after_steps_without_gradient_is_logged(tmp_path, monkeypatch, sft_start):
+  """The trainer's path of the case above: zero advantages at step 0, ones at step 1, a window
+  of one step. The run finishes, and no spike is logged."""
+  workdir_with_start(tmp_path, sft_start)
+  config = tiny_config(**{"diagnostics.spike_min_history": 1})
+  calls = []
+
+  def first_zero(rewards, group_size, **kw):
+    del group_size, kw
+    calls.append(None)
+    return jnp.full(rewards.shape, 0.0 if len(calls) == 1 else 1.0)
+
+  monkeypatch.setattr(objectives, "group_advantages", first_zero)  # As the rollouts see it.
+  history = trainer.train(config, str(tmp_path))
+  norms = [r["grad_norm"] for r in history if "grad_norm" in r]
+  assert len(norms) == 2 and norms[0] == 0.0 and norms[1] > 0
+  assert not any("spike/step" in r for r in history)
+
+
 def test_spike_files_are_read_back_and_bad_ones_named(tmp_path):
   spikes.write_spike(tmp_path, 12, {"step": 12, "completions": np.asarray(["a", "b"])})
   spikes.write_spike(tmp_path, 3, {"step": 3})

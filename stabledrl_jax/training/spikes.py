@@ -2,8 +2,8 @@
 
 A step is a spike when its largest pre-clip gradient norm (over its inner updates) exceeds
 ``diagnostics.spike_factor`` times the median of the previous ``diagnostics.spike_window`` steps'
-(once ``spike_min_history`` of them are known), or when an update was skipped as non-finite.
-The trainer then writes ``<workdir>/spikes/step_<n>.npz`` (``SPIKE_FIELDS``) and a
+(once ``spike_min_history`` of them are known; steps with a zero norm do not count), or when an
+update was skipped as non-finite. The trainer then writes ``<workdir>/spikes/step_<n>.npz`` (``SPIKE_FIELDS``) and a
 ``spike/step`` line in metrics.jsonl; ``experiments/spike_report.py`` reads the folder.
 """
 
@@ -56,8 +56,12 @@ class SpikeDetector:
     return float(np.median(self.history)) if len(self.history) >= self.min_history else math.nan
 
   def check(self, grad_norms: np.ndarray, skipped: bool) -> tuple[str | None, float, float]:
-    """(reason or None, this step's norm, the median before it); the norm joins the history
-    if finite."""
+    """(reason or None, this step's norm, the median before it).
+
+    The norm joins the history if finite and positive: a zero norm (every group's rewards
+    equal, so every advantage 0) says nothing of the gradient's scale, and a window of them
+    would make the next nonzero step an infinite spike.
+    """
     norm = float(np.max(grad_norms))
     median = self.median()
     reason = None
@@ -65,7 +69,7 @@ class SpikeDetector:
       reason = "non_finite"
     elif self.factor and math.isfinite(median) and norm > self.factor * median:
       reason = "grad_norm"
-    if math.isfinite(norm):
+    if math.isfinite(norm) and norm > 0:
       self.history.append(norm)
     return reason, norm, median
 

@@ -658,7 +658,7 @@ class Trainer:
     # Replicated metrics: every process takes this branch (it gathers rows).
     self._record_spike(step, reason, inner, per_sample, rollouts, median)
     out = {"spike/step": step}
-    if math.isfinite(norm / median):  # Not for a non-finite step, nor before any history.
+    if median > 0 and math.isfinite(norm):  # Not for a non-finite step, nor before history.
       out["spike/grad_norm_over_median"] = norm / median
     return out
 
