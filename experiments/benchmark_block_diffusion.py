@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import block_estimators as be
-from stabledrl_jax import models, profiling
+from stabledrl_jax import estimators, models, profiling
 from stabledrl_jax.models.sdar.sampler import generate
 
 
@@ -81,8 +81,8 @@ def bench_config(name: str, args) -> dict:
   one_pass = with_model(lambda m, t, key: be.estimate_block_elbo(
       lambda x, c, a: m.staircase(x, c, a), t, prompt_mask, completion, key, mask_id=mask_id,
       block_size=bs))
-  per_block = with_model(lambda m, t: be.combine(be.per_block_token_logprobs(
-      lambda x, a: m(x, a), t, masks.noisy, mask_id=mask_id, block_size=bs), masks, completion))
+  per_block = with_model(lambda m, t: estimators.combine(be.per_block_token_logprobs(
+      lambda x, a: m(x, a), t, masks.noisy, mask_id=mask_id, block_size=bs), masks))
   one_pass_same = with_model(lambda m, t: be.estimate_block_elbo(
       lambda x, c, a: m.staircase(x, c, a), t, prompt_mask, completion, None, mask_id=mask_id,
       block_size=bs, masks=masks))

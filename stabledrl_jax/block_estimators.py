@@ -20,8 +20,8 @@ As in ``estimators.py``, an estimate is made in two steps, so that masks can be 
 numerator and the denominator of a ratio:
 
 1. ``sample_block_masks``: K Monte Carlo masks per sequence, every block masked in each (t_j
-   stratified over the K samples, independently per block), as a :class:`BlockMaskSample` with the
-   unbiased weight of each scored token.
+   stratified over the K samples, independently per block), as an ``estimators.MaskSample``
+   with the unbiased weight of each scored token (the one mask representation of both families).
 2. ``estimate_from_block_masks``: one staircase pass over the K noisy copies (the clean stream is
    shared by the K samples), then the weighted sum of the scored token log-probs.
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 from typing import Callable
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -53,57 +52,6 @@ Array = jax.Array
 StaircaseFn = Callable[[Array, Array, Array], Array]
 LogitsFn = Callable[[Array, Array], Array]
 
-NORMALIZATIONS = ("sum", "mean")
-
-
-@flax.struct.dataclass
-class BlockMaskSample:
-  """R rows of per-block masks for a batch of B sequences of length L (R = K, or 2K coupled).
-
-  Attributes:
-    noisy: [R, B, L] bool, completion positions replaced by the mask token in x_t; these are
-      exactly the positions scored.
-    weight: [R, B, L] float32, the weight of each scored token's log-prob in the sum-form
-      estimate: L_j / m_j for a token of block j with m_j of its L_j completion tokens masked,
-      times 1/K (the Monte Carlo average); 0 where not scored.
-    rate: [R, B, L] float32, m_j / L_j of the token's block (0 outside the completion), so that
-      ``1[scored] / rate`` has expectation 1 for every completion token.
-  """
-
-  noisy: Array
-  weight: Array
-  rate: Array
-
-  @property
-  def num_rows(self) -> int:
-    return self.noisy.shape[0]
-
-  @property
-  def scored(self) -> Array:
-    """[R, B, L] bool, the positions whose log-prob enters the estimate (= ``noisy``).
-
-    The name `estimators.MaskSample` uses, so that code reading scored positions and rates
-    (``estimators.eubo_from_samples``, token-level averages) takes either kind of sample.
-    """
-    return self.noisy
-
-
-@flax.struct.dataclass
-class BlockEstimate:
-  """An estimate with what it was made from.
-
-  Attributes:
-    value: [B] estimate, one per sequence.
-    token_logp: [R, B, L] log p(z_i | z_<j, noised block j) at every position.
-    masks: the :class:`BlockMaskSample` used.
-    row_values: [R, B] each row's term of ``value`` (their sum over rows), for
-      ``estimators.monte_carlo_variance``.
-  """
-
-  value: Array
-  token_logp: Array
-  masks: BlockMaskSample
-  row_values: Array | None = None
 
 
 def _check_block_size(block_size: int) -> None:
@@ -131,7 +79,7 @@ def _from_blocks(x: Array, length: int) -> Array:
 
 
 def sample_block_masks(key: Array, completion_mask: Array, *, block_size: int,
-                       num_samples: int = 1, coupled: bool = False) -> BlockMaskSample:
+                       num_samples: int = 1, coupled: bool = False) -> estimators.MaskSample:
   """K masks per sequence, each masking every block that holds completion tokens.
 
   For sample k and block j with L_j > 0 completion tokens: t ~ U((k/K, (k+1)/K]) (stratified
@@ -152,7 +100,7 @@ def sample_block_masks(key: Array, completion_mask: Array, *, block_size: int,
     coupled: add the complementary masks.
 
   Returns:
-    A :class:`BlockMaskSample` with R = K rows (2K if coupled).
+    A :class:`estimators.MaskSample` with R = K rows (2K if coupled).
   """
   _check_block_size(block_size)
   if num_samples < 1:
@@ -184,24 +132,29 @@ def sample_block_masks(key: Array, completion_mask: Array, *, block_size: int,
 
 
 def _pack(masked: Array, eligible: Array, weight: Array, rate: Array, length: int,
-          num_samples: int) -> BlockMaskSample:
+          num_samples: int) -> estimators.MaskSample:
   """Blocked masks [R, B, nb, bs] with per-block weight and rate [R, B, nb] -> per token.
 
-  The weight is divided by K (the Monte Carlo average) and kept on masked tokens only; the rate
-  on every completion token of the block.
+  The weight is divided by K (the Monte Carlo average) and kept on masked tokens only, the
+  rate on every completion token of the block; the rows' sum scale is 1 and their mean scale
+  1 / (completion length). Noised and scored positions are the same.
   """
   weight = jnp.where(masked, weight[..., None] / num_samples, 0.0)
   rate = jnp.where(eligible[None], rate[..., None], 0.0)
-  return BlockMaskSample(noisy=_from_blocks(masked, length),
-                         weight=_from_blocks(weight, length).astype(jnp.float32),
-                         rate=_from_blocks(rate, length).astype(jnp.float32))
+  noisy = _from_blocks(masked, length)
+  completion_length = jnp.sum(eligible, axis=(-2, -1)).astype(jnp.float32)  # [B]
+  ones = jnp.ones(noisy.shape[:2], jnp.float32)
+  return estimators.MaskSample(noisy=noisy, scored=noisy,
+                               weight=_from_blocks(weight, length).astype(jnp.float32),
+                               sum_scale=ones, mean_scale=safe_div(ones, completion_length),
+                               rate=_from_blocks(rate, length).astype(jnp.float32))
 
 
 FIXED_POSITIONS = ("head", "tail")
 
 
 def fixed_block_masks(completion_mask: Array, *, block_size: int, rate: float = 1.0,
-                      position: str = "head", num_samples: int = 1) -> BlockMaskSample:
+                      position: str = "head", num_samples: int = 1) -> estimators.MaskSample:
   """Deterministic masks: in every block, the first or last ceil(rate L_j) completion tokens.
 
   Weighted like `sample_block_masks` rows of that count (L_j / m_j), so the estimate is the
@@ -225,7 +178,7 @@ def fixed_block_masks(completion_mask: Array, *, block_size: int, rate: float = 
       (``estimators.select_masks``); each row carries 1/R of the weight.
 
   Returns:
-    A :class:`BlockMaskSample` with R = num_samples rows.
+    A :class:`estimators.MaskSample` with R = num_samples rows.
   """
   _check_block_size(block_size)
   if position not in FIXED_POSITIONS:
@@ -338,55 +291,25 @@ def per_block_token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array, *
   return jnp.moveaxis(per_block, 0, 2).reshape(rows, batch, padded)[..., :length]
 
 
-def combine(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
-            normalize: str = "sum") -> Array:
-  """[B] estimate: sum over rows and positions of weight * log-prob ('mean': / completion length).
-
-  Args:
-    token_logp: [R, B, L].
-    masks: the rows' :class:`BlockMaskSample`.
-    completion_mask: [B, L] bool (its row sums are the lengths of the 'mean' form).
-    normalize: 'sum' (log-likelihood) or 'mean' (per completion token).
-  """
-  if normalize not in NORMALIZATIONS:
-    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
-  total = jnp.sum(jnp.where(masks.noisy, masks.weight * token_logp, 0.0), axis=(0, 2))
-  if normalize == "sum":
-    return total
-  return safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32))
-
-
-def combine_rows(token_logp: Array, masks: BlockMaskSample, completion_mask: Array,
-                 normalize: str = "sum") -> Array:
-  """[R, B] each row's term of ``combine`` (their sum over rows)."""
-  if normalize not in NORMALIZATIONS:
-    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
-  total = jnp.sum(jnp.where(masks.noisy, masks.weight * token_logp, 0.0), axis=2)
-  if normalize == "sum":
-    return total
-  return safe_div(total, jnp.sum(completion_mask, axis=-1).astype(jnp.float32)[None])
-
-
-def estimate_from_block_masks(staircase_fn: StaircaseFn, tokens: Array, completion_mask: Array,
-                              masks: BlockMaskSample, *, mask_id: int, block_size: int,
+def estimate_from_block_masks(staircase_fn: StaircaseFn, tokens: Array,
+                              masks: estimators.MaskSample, *, mask_id: int, block_size: int,
                               normalize: str = "sum",
-                              attention_mask: Array | None = None) -> BlockEstimate:
+                              attention_mask: Array | None = None) -> estimators.Estimate:
   """Scores given masks: one staircase pass over the R noisy rows and the shared clean stream."""
   token_logp = staircase_token_logprobs(staircase_fn, tokens, masks.noisy, mask_id=mask_id,
                                         block_size=block_size, attention_mask=attention_mask)
-  return BlockEstimate(value=combine(token_logp, masks, completion_mask, normalize),
-                       # From a copy behind a barrier: the value's fusion stays as it is.
-                       row_values=combine_rows(jax.lax.optimization_barrier(token_logp), masks,
-                                               completion_mask, normalize),
-                       token_logp=token_logp, masks=masks)
+  # The rows' terms from a copy behind a barrier: the value's fusion stays as it is.
+  rows = estimators.combine_rows(jax.lax.optimization_barrier(token_logp), masks, normalize)
+  return estimators.Estimate(value=estimators.combine(token_logp, masks, normalize),
+                             token_logp=token_logp, masks=masks, row_values=rows)
 
 
 def estimate_block_elbo(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: Array,
                         completion_mask: Array, key: Array, *, mask_id: int, block_size: int,
                         num_samples: int = 1, normalize: str = "sum", coupled: bool = False,
-                        masks: BlockMaskSample | None = None,
+                        masks: estimators.MaskSample | None = None,
                         attention_mask: Array | None = None,
-                        return_details: bool = False) -> Array | BlockEstimate:
+                        return_details: bool = False) -> Array | estimators.Estimate:
   """Estimate log pi(y | x) of a block diffusion model, every block scored in one pass.
 
   Args:
@@ -403,19 +326,17 @@ def estimate_block_elbo(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: A
     coupled: also score the complementary mask of every block (2K rows).
     masks: reuse these masks (e.g. for both sides of a ratio) instead of sampling.
     attention_mask: [B, L] bool, False for padding positions (left-padded prompts), or None.
-    return_details: return a :class:`BlockEstimate` instead of the [B] values.
+    return_details: return a :class:`estimators.Estimate` instead of the [B] values.
 
   Returns:
-    [B] float32 estimates, or a :class:`BlockEstimate`.
+    [B] float32 estimates, or a :class:`estimators.Estimate`.
   """
   estimators.check_token_batch(tokens, prompt_mask, completion_mask)
-  if normalize not in NORMALIZATIONS:
-    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
   if masks is None:
     masks = sample_block_masks(key, completion_mask, block_size=block_size,
                                num_samples=num_samples, coupled=coupled)
   chex.assert_shape(masks.noisy, (None,) + tokens.shape)
-  estimate = estimate_from_block_masks(staircase_fn, tokens, completion_mask, masks,
+  estimate = estimate_from_block_masks(staircase_fn, tokens, masks,
                                        mask_id=mask_id, block_size=block_size,
                                        normalize=normalize, attention_mask=attention_mask)
   return estimate if return_details else estimate.value
@@ -438,7 +359,7 @@ def _options(method: str) -> tuple[str, ...]:
 
 
 def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array,
-                spec: estimators.LikelihoodSpec) -> BlockMaskSample:
+                spec: estimators.LikelihoodSpec) -> estimators.MaskSample:
   del prompt_mask  # Prompts are never masked.
   if spec.method == "mean_field":
     return fixed_block_masks(completion_mask, block_size=spec.block_size)
@@ -448,7 +369,7 @@ def _spec_masks(key: Array, prompt_mask: Array, completion_mask: Array,
 
 def _spec_stress_masks(prompt_mask: Array, completion_mask: Array,
                        spec: estimators.LikelihoodSpec, *, mode: str, rate: float,
-                       num_rows: int) -> BlockMaskSample:
+                       num_rows: int) -> estimators.MaskSample:
   """Per block of L_j completion tokens: 'easy' masks only the last ceil(rate L_j), 'hard' the
   first ceil(rate L_j)."""
   del prompt_mask
@@ -457,8 +378,8 @@ def _spec_stress_masks(prompt_mask: Array, completion_mask: Array,
 
 
 def _spec_estimate(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: Array,
-                   completion_mask: Array, attention_mask: Array, masks: BlockMaskSample,
-                   spec: estimators.LikelihoodSpec) -> BlockEstimate:
+                   completion_mask: Array, attention_mask: Array, masks: estimators.MaskSample,
+                   spec: estimators.LikelihoodSpec) -> estimators.Estimate:
   return estimate_block_elbo(staircase_fn, tokens, prompt_mask, completion_mask, None,
                              mask_id=spec.mask_id, block_size=spec.block_size,
                              normalize=spec.normalize, masks=masks,

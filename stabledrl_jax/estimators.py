@@ -58,30 +58,47 @@ import jax.numpy as jnp
 
 Array = jax.Array
 LogitsFn = Callable[[Array], Array]
+NORMALIZATIONS = ("sum", "mean")
 
 
 @flax.struct.dataclass
 class MaskSample:
-  """R mask rows for a batch of B sequences of length L (R = K, or 2K coupled).
+  """R mask rows for a batch of B sequences of length L (R = K, or 2K coupled), of either family.
+
+  Row r's term of a sequence's estimate is ``scale[r] * sum_i weight[r, i] log p(z_i | row r)``
+  over the row's scored positions i, with ``scale`` the row's ``sum_scale`` (log-likelihood) or
+  ``mean_scale`` (length-normalized) (``combine_rows``). The full-attention methods weight every
+  scored token of a row alike (``weight`` 1, built with :meth:`per_row`); the block ELBO weights
+  each token by its own block (``weight`` L_j / m_j / K, ``block_estimators``).
 
   Attributes:
     noisy: [R, B, L] bool, positions replaced by the mask token.
     scored: [R, B, L] bool, positions whose log-prob enters the estimate.
-    sum_scale: [R, B] weight of each row's summed scored log-probs in the
-      sum-form estimate (includes the 1/K of the Monte Carlo average).
+    weight: [R, B, L] float32, each scored token's weight within its row.
+    sum_scale: [R, B] the row's factor in the sum-form estimate (includes the 1/K of the
+      Monte Carlo average where ``weight`` does not).
     mean_scale: [R, B] the same for the length-normalized (mean) form.
-    rate: [R, B] t_hat, the row's mask rate: the scored fraction of the
-      completion (``m / L``) for ELBO and block_random rows, 1 for mean-field
-      rows, and ``m / (num_blocks * block size)`` for block_random_unbiased
-      rows, so that ``1[scored] / t_hat`` has expectation 1 for every token
-      there.
+    rate: [R, B, L] t_hat, each token's mask rate, so that ``1[scored] / t_hat`` has
+      expectation 1 for every completion token: the scored fraction of the completion
+      (``m / L``) for ELBO and block_random rows, 1 for mean-field rows,
+      ``m / (num_blocks * block size)`` for block_random_unbiased rows, and m_j / L_j of the
+      token's block for the block ELBO (0 outside the completion there).
   """
 
   noisy: Array
   scored: Array
+  weight: Array
   sum_scale: Array
   mean_scale: Array
   rate: Array
+
+  @classmethod
+  def per_row(cls, *, noisy: Array, scored: Array, sum_scale: Array, mean_scale: Array,
+              rate: Array) -> "MaskSample":
+    """Rows whose scored tokens weigh alike: scales and ``rate`` one per row, [R, B]."""
+    return cls(noisy=noisy, scored=scored, weight=jnp.ones(noisy.shape, jnp.float32),
+               sum_scale=sum_scale, mean_scale=mean_scale,
+               rate=jnp.broadcast_to(rate[..., None], noisy.shape))
 
   @property
   def num_rows(self) -> int:
@@ -216,7 +233,7 @@ def _mean_field_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   scored = jnp.broadcast_to(completion_mask[None], noisy.shape)
   length = jnp.sum(completion_mask, axis=-1).astype(jnp.float32)
   ones = jnp.ones((k,) + length.shape, jnp.float32)
-  return MaskSample(
+  return MaskSample.per_row(
       noisy=noisy,
       scored=scored,
       sum_scale=safe_div(ones, jnp.full_like(ones, k) * (length > 0)),
@@ -287,7 +304,7 @@ def _elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   rows = masked.shape[0]
   noisy = (masked | past_completion(prompt_mask, completion_mask)[None]
            | _mask_prompt(key_prompt, prompt_mask, rows, prompt_mask_prob))
-  return MaskSample(noisy=noisy, scored=masked, sum_scale=sum_scale,
+  return MaskSample.per_row(noisy=noisy, scored=masked, sum_scale=sum_scale,
                     mean_scale=mean_scale, rate=rate)
 
 
@@ -317,7 +334,7 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
                            safe_div(length[None] + 1, 2 * (length[None] - count))]) / k
   rows = jnp.concatenate([masked, complement])
   counts = jnp.concatenate([count, length[None] - count])
-  return MaskSample(noisy=rows, scored=rows, sum_scale=scale,
+  return MaskSample.per_row(noisy=rows, scored=rows, sum_scale=scale,
                     mean_scale=safe_div(scale, length[None]),
                     rate=safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))
 
@@ -376,7 +393,7 @@ def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   scored_count = jnp.sum(scored, axis=-1).astype(jnp.float32)
   length_f = length[None].astype(jnp.float32)
   mean_scale = safe_div(jnp.ones_like(scored_count), scored_count) / k
-  return MaskSample(noisy=noisy, scored=scored, sum_scale=mean_scale * length_f,
+  return MaskSample.per_row(noisy=noisy, scored=scored, sum_scale=mean_scale * length_f,
                     mean_scale=mean_scale, rate=safe_div(scored_count, length_f))
 
 
@@ -407,7 +424,7 @@ def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask
   total = (num_blocks[None] * block_size).astype(jnp.float32)
   sum_scale = safe_div(total, count_f) / k
   mean_scale = safe_div(total, count_f * length[None]) / k
-  return MaskSample(noisy=noisy, scored=masked, sum_scale=sum_scale,
+  return MaskSample.per_row(noisy=noisy, scored=masked, sum_scale=sum_scale,
                     mean_scale=mean_scale, rate=safe_div(count_f, total))
 
 
@@ -524,7 +541,7 @@ def token_logprobs(logits_fn: LogitsFn, tokens: Array, noisy: Array,
 
 
 def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Array:
-  """[B] estimate: the scaled sum of scored token log-probs over rows.
+  """[B] estimate: the sum over rows of each row's scaled, weighted sum of scored log-probs.
 
   Args:
     token_logp: [R, B, L].
@@ -535,14 +552,12 @@ def combine(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Arr
 
 
 def combine_rows(token_logp: Array, masks: MaskSample, normalize: str = "sum") -> Array:
-  """[R, B] each row's term of ``combine``: its scale times its scored log-probs' sum."""
-  if normalize == "sum":
-    scale = masks.sum_scale
-  elif normalize == "mean":
-    scale = masks.mean_scale
-  else:
-    raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}.")
-  per_row = jnp.sum(jnp.where(masks.scored, token_logp, 0.0), axis=-1)
+  """[R, B] each row's term of ``combine``: its scale times its scored log-probs' weighted sum
+  (:class:`MaskSample`)."""
+  if normalize not in NORMALIZATIONS:
+    raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}.")
+  scale = masks.sum_scale if normalize == "sum" else masks.mean_scale
+  per_row = jnp.sum(jnp.where(masks.scored, masks.weight * token_logp, 0.0), axis=-1)
   return scale * per_row
 
 
@@ -631,9 +646,7 @@ def eubo_from_samples(token_logp: Array, masks, *, beta: float = 1.5) -> Array:
 
   Args:
     token_logp: [R, B, L] token log-probs of the rows.
-    masks: the rows' :class:`MaskSample` (one rate per row, [R, B]), or a
-      ``block_estimators.BlockMaskSample`` (one rate per token, [R, B, L]: the
-      mask rate m_j / L_j of the token's block).
+    masks: the rows' :class:`MaskSample` (its per-token rates t_hat).
     beta: the Renyi order, > 0.
 
   Returns:
@@ -643,8 +656,6 @@ def eubo_from_samples(token_logp: Array, masks, *, beta: float = 1.5) -> Array:
     raise ValueError(f"beta must be > 0, got {beta}.")
   rows = token_logp.shape[0]
   log_rate = jnp.log(jnp.where(masks.rate > 0, masks.rate, 1.0))
-  if log_rate.ndim < token_logp.ndim:  # One rate per row: the same for all its tokens.
-    log_rate = log_rate[..., None]
   terms = jnp.where(masks.scored, beta * token_logp - log_rate, -jnp.inf)
   scored_any = jnp.any(masks.scored, axis=0)  # [B, L]
   # Tokens scored in no row get a finite dummy (then dropped), so that neither
@@ -693,7 +704,7 @@ def stress_masks(prompt_mask: Array, completion_mask: Array, *, mode: str,
   masked = jnp.broadcast_to(masked[None], (num_samples,) + masked.shape)
   count = jnp.broadcast_to(count[None].astype(jnp.float32), (num_samples,) + count.shape)
   length_f = jnp.broadcast_to(length[None].astype(jnp.float32), count.shape)
-  return MaskSample(noisy=masked | past[None], scored=masked,
+  return MaskSample.per_row(noisy=masked | past[None], scored=masked,
                     sum_scale=safe_div(length_f, count) / num_samples,
                     mean_scale=safe_div(jnp.ones_like(count), count) / num_samples,
                     rate=safe_div(count, length_f))

@@ -91,7 +91,7 @@ def test_left_padding_by_whole_blocks_changes_nothing(tiny):
   tokens, prompt_mask, completion = make_batch(length=16, lengths=(11, 4, 2))
   masks = sample_masks(jax.random.key(1), completion, block_size=BS, num_samples=2)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (BS, 0)) if x.ndim == 3 else ((0, 0), (BS, 0)))
-  padded_masks = jax.tree.map(pad, masks)
+  padded_masks = jax.tree.map(lambda x: pad(x) if x.ndim == 3 else x, masks)  # Not [R, B].
   attention_mask = jnp.arange(16 + BS)[None].repeat(3, 0) >= BS
   want = score(tiny, tokens, prompt_mask, completion, masks, None)
   got = score(tiny, pad(tokens), pad(prompt_mask), pad(completion), padded_masks, attention_mask)
@@ -283,3 +283,36 @@ def test_invalid_options_are_rejected():
                            block_size=0)
   with pytest.raises(ValueError, match="num_samples"):
     sample_masks(jax.random.key(0), completion, block_size=BS, num_samples=0)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("normalize", ["sum", "mean"])
+def test_both_families_masks_combine_as_the_float64_formula(family, normalize):
+  """One mask representation for both families: ``estimators.combine`` is
+  sum_r scale_r sum_i 1[scored] w_ri logp_ri, re-derived in float64, and the mean form of a
+  block sample is its sum form over the completion length."""
+  from stabledrl_jax import estimators  # pylint: disable=g-import-not-at-top
+  _, prompt_mask, completion = make_batch()
+  key = jax.random.key(3)
+  if family == "llada":
+    masks = estimators.sample_masks(key, prompt_mask, completion, method="elbo",
+                                    num_samples=3, schedule="count", coupled=True)
+    assert np.all(np.asarray(masks.weight) == 1.0)  # A weight per row, in its scales.
+  else:
+    masks = sample_masks(key, completion, block_size=BS, num_samples=3, coupled=True)
+  assert isinstance(masks, estimators.MaskSample)
+  shape = masks.noisy.shape
+  assert masks.weight.shape == masks.rate.shape == masks.scored.shape == shape
+  assert masks.sum_scale.shape == masks.mean_scale.shape == shape[:2]
+  logp = -jax.random.exponential(jax.random.key(4), shape)
+  scale = np.asarray(masks.sum_scale if normalize == "sum" else masks.mean_scale, np.float64)
+  terms = np.where(np.asarray(masks.scored), np.asarray(masks.weight, np.float64)
+                   * np.asarray(logp, np.float64), 0.0)
+  want = np.sum(scale * terms.sum(-1), axis=0)
+  got = estimators.combine(logp, masks, normalize)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  rows = estimators.combine_rows(logp, masks, normalize)
+  np.testing.assert_allclose(np.sum(rows, axis=0), got, rtol=1e-5, atol=1e-5)
+  if family == "sdar" and normalize == "mean":
+    length = np.asarray(completion, np.float64).sum(-1)
+    np.testing.assert_allclose(got, estimators.combine(logp, masks, "sum") / length, rtol=1e-5)

@@ -380,7 +380,9 @@ def test_block_random_matches_official_rules_in_distribution(num_samples):
   counts_ref = (ref & completion).sum(-1)
   np.testing.assert_allclose((got.scored.sum(-1)).mean(0), counts_ref.mean(0),
                              atol=4.5 * counts_ref.std(0).max() / np.sqrt(draws) * 1.5 + 1e-6)
-  np.testing.assert_allclose(got.rate, got.scored.sum(-1) / OFFICIAL_LENGTHS)
+  np.testing.assert_allclose(got.rate,  # One rate per row, at every position.
+                             np.broadcast_to((got.scored.sum(-1) / OFFICIAL_LENGTHS)[..., None],
+                                             got.rate.shape))
 
 
 def test_block_random_chosen_blocks_follow_the_permutation():
@@ -458,8 +460,9 @@ def test_no_estimator_sees_tokens_after_the_completion(method, options):
       num_samples=3, **options)
   np.testing.assert_array_equal(estimate(leaky), estimate(blind))
   # The same model does see a visible token there (the test can fail).
-  no_mask = estimators.MaskSample(*(jnp.zeros((1, B, L), bool),) * 2,
-                                  *(jnp.ones((1, B)),) * 3)
+  no_mask = estimators.MaskSample.per_row(
+      noisy=jnp.zeros((1, B, L), bool), scored=jnp.zeros((1, B, L), bool),
+      sum_scale=jnp.ones((1, B)), mean_scale=jnp.ones((1, B)), rate=jnp.ones((1, B)))
   shown = estimators.token_logprobs(leaky, tokens, no_mask.noisy, MASK_ID)
   hidden = estimators.token_logprobs(blind, tokens, no_mask.noisy, MASK_ID)
   assert not np.allclose(shown[:, 1:], hidden[:, 1:])

@@ -45,9 +45,9 @@ def _every_other_masks(key, prompt_mask, completion_mask, num_samples, *, offset
   scored = jnp.broadcast_to(scored[None], noisy.shape)
   length = jnp.sum(completion_mask, axis=-1).astype(jnp.float32)
   ones = jnp.ones((num_samples,) + length.shape, jnp.float32)
-  return estimators.MaskSample(noisy=noisy, scored=scored, sum_scale=2.0 * ones / num_samples,
-                               mean_scale=2.0 * ones / (num_samples * jnp.maximum(length, 1)),
-                               rate=0.5 * ones)
+  return estimators.MaskSample.per_row(
+      noisy=noisy, scored=scored, sum_scale=2.0 * ones / num_samples,
+      mean_scale=2.0 * ones / (num_samples * jnp.maximum(length, 1)), rate=0.5 * ones)
 
 
 @pytest.fixture
