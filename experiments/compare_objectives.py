@@ -76,8 +76,7 @@ def rows(completion_length: int) -> dict[str, tuple[dict, str]]:
   for name, overrides in sweep.objective_variants().items():
     objective = overrides["objective.name"]
     if objective in ("spg", "stabledrl"):
-      out[name] = ({**overrides, "estimator.prompt_mask_prob": 0.0,
-                    "estimator.block_length": completion_length},
+      out[name] = ({**overrides, **sweep.fitted_block_random(completion_length)},
                    f"block_random, one block of {completion_length}, no prompt masking")
       if name == objective:
         out[name + OFFICIAL_SUFFIX] = (overrides, "block_random as published: blocks of 32, "

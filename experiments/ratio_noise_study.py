@@ -10,6 +10,9 @@ Runs, each from the same supervised start with the same seed and batches (quicks
   mask coupling (``<name>``: GRPO and ESPO score l_old on each update's own masks, StableDRL on
   masks of its own) and with independent masks (``<name>_independent``: the ratio then carries
   the estimator's noise; StableDRL's official coupling already is this);
+- StableDRL again with ``block_random`` fitted to the toy (``stabledrl_fitted``: one block over
+  the completion, no prompt masking, as in experiments/compare_objectives.py), which leaves the
+  ratio the noise of independent masks without that of the masked prompt digits;
 - SPG and wd1, which have no importance ratio, as references;
 - each at mu = 2, 4 and 8 inner updates per rollout batch (``train.num_iterations``: the policy
   drifts further from pi_old with every update), and the ratio-based ones also stressed
@@ -69,7 +72,7 @@ CURVES = {"reward": None, "grad_norm": "grad_norm",  # reward: sweep.REWARD_METR
           "log_ratio_var": "log_ratio/var", "ess": "snis/ess", "kl_start": "kl_start/mean"}
 
 
-def rows() -> dict[str, dict]:
+def rows(completion_length: int) -> dict[str, dict]:
   """{row: config overrides, mu aside}."""
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
   variants = sweep.objective_variants()
@@ -78,6 +81,8 @@ def rows() -> dict[str, dict]:
     out[name] = dict(variants[name])
     if name != "stabledrl":  # StableDRL's official masks are the independent ones.
       out[f"{name}_independent"] = {**variants[name], "estimator.coupled_ratio": False}
+    else:  # Its estimator fitted to the toy: the ratio's noise without the prompt masking's.
+      out[f"{name}_fitted"] = {**variants[name], **sweep.fitted_block_random(completion_length)}
   for name in REFERENCES:
     out[name] = dict(variants[name])
   for name in RATIO_BASED:
@@ -217,7 +222,7 @@ def main(argv) -> None:
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
-  known = rows()
+  known = rows(base.rollout.gen_length)
   names = list(_ROWS.value or known)
   unknown = sorted(set(names) - set(known))
   if unknown:

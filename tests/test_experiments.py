@@ -430,12 +430,16 @@ def test_ratio_noise_study_marks_collapse_by_its_three_rules():
 
 def test_ratio_noise_study_runs_each_row_as_it_says():
   study = _load_experiment("ratio_noise_study")
-  rows = study.rows()
+  rows = study.rows(40)
   assert sorted(rows) == sorted([
       "grpo_sequence", "grpo_sequence_independent", "espo", "espo_independent", "stabledrl",
-      "spg", "wd1", "grpo_sequence_stress", "espo_stress", "stabledrl_stress", "frozen"])
+      "stabledrl_fitted", "spg", "wd1", "grpo_sequence_stress", "espo_stress",
+      "stabledrl_stress", "frozen"])
   assert rows["espo_independent"]["estimator.coupled_ratio"] is False
   assert "estimator.coupled_ratio" not in rows["stabledrl"]  # its official masks: independent
+  fitted = rows["stabledrl_fitted"]
+  assert (fitted["estimator.block_length"], fitted["estimator.prompt_mask_prob"]) == (40, 0.0)
+  assert {k: v for k, v in fitted.items() if not k.startswith("estimator.")} == rows["stabledrl"]
   assert rows["frozen"]["optimizer.learning_rate"] == 1e-12
   keys = study.run_keys(["stabledrl", "stabledrl_stress", "frozen"], [2, 4, 8])
   assert keys == [("stabledrl", 2), ("stabledrl", 4), ("stabledrl", 8), ("stabledrl_stress", 2),

@@ -53,6 +53,13 @@ def objective_variants() -> dict[str, dict[str, Any]]:
   return variants
 
 
+def fitted_block_random(completion_length: int) -> dict[str, Any]:
+  """``block_random`` fitted to a toy whose completion copies its prompt: one block over the
+  whole completion, no prompt token masked (docs/stress_test.md: the published 15% prompt
+  masking multiplies the estimator's noise there)."""
+  return {"estimator.prompt_mask_prob": 0.0, "estimator.block_length": completion_length}
+
+
 def select_objectives(names: list[str] | None) -> list[str]:
   """``names`` (None: every variant), checked against ``objective_variants()``."""
   known = objective_variants()
