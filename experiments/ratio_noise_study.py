@@ -91,6 +91,17 @@ def rows(completion_length: int) -> dict[str, dict]:
   return out
 
 
+VARIANTS = ("independent", "fitted", "stress")
+
+
+def split_row(row: str) -> tuple[str, str]:
+  """(objective variant, study variant or ''): 'espo_stress' -> ('espo', 'stress')."""
+  for variant in VARIANTS:
+    if row.endswith("_" + variant):
+      return row[:-len(variant) - 1], variant
+  return row, ""
+
+
 def run_keys(names: list[str], mus: list[int]) -> list[tuple[str, int]]:
   """(row, mu) of every run: stressed rows and the control at the smallest mu only."""
   keys = []
@@ -168,10 +179,14 @@ def plot(study: dict, path: str) -> None:
             ("ess", "SNIS ESS (StableDRL)"), ("kl_start", "KL from the start")]
   fig, axes = plt.subplots(len(panels), len(mus), figsize=(4.2 * len(mus), 2.3 * len(panels)),
                            sharex=True, squeeze=False)
+  # One colour per objective, one line style per variant (official, independent, fitted, stress).
+  colors = {name: f"C{i}" for i, name in enumerate(RATIO_BASED + REFERENCES)}
+  styles = {"independent": "--", "fitted": "-.", "stress": ":"}
   for key, entry in study.items():
     col = mus.index(entry["mu"])
-    style = "--" if "independent" in key else (":" if "stress" in key else "-")
-    color = "0.6" if entry["row"] == FROZEN else None
+    objective, variant = split_row(entry["row"])
+    style = styles.get(variant, "-")
+    color = "0.6" if entry["row"] == FROZEN else colors.get(objective)
     for row, (name, label) in enumerate(panels):
       ax = axes[row, col]
       if name == "eval":
@@ -193,7 +208,7 @@ def plot(study: dict, path: str) -> None:
     axes[0, col].set_title(f"mu = {entry['mu']}", fontsize=10)
   for ax in axes[-1]:
     ax.set_xlabel("RL step")
-  axes[0, -1].legend(fontsize=6, ncol=2)
+  axes[0, 0].legend(fontsize=6, ncol=2)  # mu = 2 holds every row (stressed, frozen).
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
