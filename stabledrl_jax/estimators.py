@@ -494,8 +494,26 @@ def sample_masks(key: Array, prompt_mask: Array, completion_mask: Array, *,
     raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
   chex.assert_rank(prompt_mask, 2)
   chex.assert_equal_shape([prompt_mask, completion_mask])
-  return _METHODS[method](key, prompt_mask.astype(bool),
-                               completion_mask.astype(bool), num_samples, **options)
+  masks = _METHODS[method](key, prompt_mask.astype(bool), completion_mask.astype(bool),
+                           num_samples, **options)
+  check_masks(masks, prompt_mask.shape, where=f"estimator method {method!r}")
+  return masks
+
+
+def check_masks(masks: Any, batch_shape: tuple[int, int], where: str) -> None:
+  """``masks`` is a :class:`MaskSample` of R rows for [B, L] = ``batch_shape``, else a
+  ValueError naming ``where`` and the field."""
+  if not isinstance(masks, MaskSample):
+    raise ValueError(f"{where}: returned {type(masks).__name__}, not an estimators.MaskSample")
+  rows = masks.noisy.shape[0] if masks.noisy.ndim == 3 else None
+  want = {"noisy": (rows, *batch_shape), "scored": (rows, *batch_shape),
+          "weight": (rows, *batch_shape), "rate": (rows, *batch_shape),
+          "sum_scale": (rows, batch_shape[0]), "mean_scale": (rows, batch_shape[0])}
+  for field, shape in want.items():
+    got = tuple(getattr(masks, field).shape)
+    if rows is None or got != shape:
+      raise ValueError(f"{where}: MaskSample.{field} has shape {got}, expected {shape} "
+                       "([R, B, L] masks, weights and rates; [R, B] scales)")
 
 
 # ---------------------------------------------------------------------------

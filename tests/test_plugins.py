@@ -194,3 +194,23 @@ def test_family_registry_errors_name_the_culprit():
     family_lib.by_model_type("gpt2")
   with pytest.raises(TypeError, match="dict is not the config of a registered model family"):
     family_lib.of({})
+
+
+def test_a_method_with_misshapen_masks_is_named():
+  """A plugin method that returns rates per row instead of per token (or anything else but a
+  MaskSample) is refused when its masks are drawn, naming the method and the field."""
+  def per_row_rates(key, prompt_mask, completion_mask, num_samples):
+    good = _every_other_masks(key, prompt_mask, completion_mask, num_samples)
+    return good.replace(rate=good.rate[..., 0])  # [R, B]: broadcast wrongly against [R, B, L]
+
+  prompt = jnp.zeros((2, 6), bool).at[:, :2].set(True)
+  estimators.register_method("per_row_rates", per_row_rates)
+  estimators.register_method("not_masks", lambda key, p, c, k: (p, c))
+  try:
+    with pytest.raises(ValueError, match=r"'per_row_rates'.*MaskSample.rate.*\(1, 2, 6\)"):
+      estimators.sample_masks(jax.random.key(0), prompt, ~prompt, method="per_row_rates")
+    with pytest.raises(ValueError, match="'not_masks': returned tuple"):
+      estimators.sample_masks(jax.random.key(0), prompt, ~prompt, method="not_masks")
+  finally:
+    estimators.unregister_method("per_row_rates")
+    estimators.unregister_method("not_masks")
