@@ -305,7 +305,7 @@ def _elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   noisy = (masked | past_completion(prompt_mask, completion_mask)[None]
            | _mask_prompt(key_prompt, prompt_mask, rows, prompt_mask_prob))
   return MaskSample.per_row(noisy=noisy, scored=masked, sum_scale=sum_scale,
-                    mean_scale=mean_scale, rate=rate)
+                            mean_scale=mean_scale, rate=rate)
 
 
 def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
@@ -335,8 +335,8 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   rows = jnp.concatenate([masked, complement])
   counts = jnp.concatenate([count, length[None] - count])
   return MaskSample.per_row(noisy=rows, scored=rows, sum_scale=scale,
-                    mean_scale=safe_div(scale, length[None]),
-                    rate=safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))
+                            mean_scale=safe_div(scale, length[None]),
+                            rate=safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))
 
 
 def _generation_blocks(prompt_mask: Array, completion_mask: Array,
@@ -394,7 +394,7 @@ def _block_random_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   length_f = length[None].astype(jnp.float32)
   mean_scale = safe_div(jnp.ones_like(scored_count), scored_count) / k
   return MaskSample.per_row(noisy=noisy, scored=scored, sum_scale=mean_scale * length_f,
-                    mean_scale=mean_scale, rate=safe_div(scored_count, length_f))
+                            mean_scale=mean_scale, rate=safe_div(scored_count, length_f))
 
 
 def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask: Array,
@@ -425,7 +425,7 @@ def _block_random_unbiased_masks(key: Array, prompt_mask: Array, completion_mask
   sum_scale = safe_div(total, count_f) / k
   mean_scale = safe_div(total, count_f * length[None]) / k
   return MaskSample.per_row(noisy=noisy, scored=masked, sum_scale=sum_scale,
-                    mean_scale=mean_scale, rate=safe_div(count_f, total))
+                            mean_scale=mean_scale, rate=safe_div(count_f, total))
 
 
 # ---------------------------------------------------------------------------
@@ -723,9 +723,9 @@ def stress_masks(prompt_mask: Array, completion_mask: Array, *, mode: str,
   count = jnp.broadcast_to(count[None].astype(jnp.float32), (num_samples,) + count.shape)
   length_f = jnp.broadcast_to(length[None].astype(jnp.float32), count.shape)
   return MaskSample.per_row(noisy=masked | past[None], scored=masked,
-                    sum_scale=safe_div(length_f, count) / num_samples,
-                    mean_scale=safe_div(jnp.ones_like(count), count) / num_samples,
-                    rate=safe_div(count, length_f))
+                            sum_scale=safe_div(length_f, count) / num_samples,
+                            mean_scale=safe_div(jnp.ones_like(count), count) / num_samples,
+                            rate=safe_div(count, length_f))
 
 
 def stress_selection(key: Array, batch_size: int, fraction: float) -> Array:
