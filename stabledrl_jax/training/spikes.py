@@ -3,8 +3,9 @@
 A step is a spike when its largest pre-clip gradient norm (over its inner updates) exceeds
 ``diagnostics.spike_factor`` times the median of the previous ``diagnostics.spike_window`` steps'
 (once ``spike_min_history`` of them are known; steps with a zero norm do not count), or when an
-update was skipped as non-finite. The trainer then writes ``<workdir>/spikes/step_<n>.npz`` (``SPIKE_FIELDS``) and a
-``spike/step`` line in metrics.jsonl; ``experiments/spike_report.py`` reads the folder.
+update was skipped as non-finite. The trainer then writes ``<workdir>/spikes/step_<n>.npz``
+(``SPIKE_FIELDS``) and a ``spike/step`` line in metrics.jsonl; ``experiments/spike_report.py``
+reads the folder.
 """
 
 from __future__ import annotations
