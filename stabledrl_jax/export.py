@@ -21,6 +21,9 @@ gets
   the workdir give the same results. A plain Hugging Face source has no such config, and gets none.
 
 The files get the mode of any newly created file (0666 less the umask; ``hf_io.save_pretrained``).
+``--output`` must be new or empty; ``--overwrite`` replaces a non-empty one. The export is
+written into a directory beside ``--output`` and renamed into place when complete
+(``workdir_files.staged_dir``): a failed export leaves ``--output`` as it was.
 
 The official PyTorch code (``trust_remote_code``) and inference servers load the result, and
 ``models.from_pretrained`` reads it back bit for bit. One process: every tensor passes through
@@ -34,9 +37,10 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import sys
 from typing import Sequence
+
+from stabledrl_jax import workdir_files
 
 DTYPES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)B?", re.IGNORECASE)
@@ -64,12 +68,19 @@ def tokenizer_dir(source) -> str | None:
   return path if os.path.isdir(path) else os.path.dirname(path)
 
 
-def check_output(output: str) -> None:
+def check_output(output: str, *, overwrite: bool = False) -> None:
   """ValueError naming ``--output`` unless it is, or can be created as, a writable directory
-  (nothing is created here)."""
+  that is empty (or may be replaced: ``overwrite``); nothing is created here."""
   path = pathlib.Path(os.path.abspath(output))
+  if path.is_symlink():
+    raise ValueError(f"--output {output!r} is a symbolic link (to {os.readlink(path)}): name "
+                     "the directory itself")
   if path.exists() and not path.is_dir():
     raise ValueError(f"--output {output!r} is an existing file, not a directory")
+  if path.is_dir() and any(path.iterdir()) and not overwrite:
+    raise ValueError(f"--output {output!r} is a directory that is not empty "
+                     f"({len(list(path.iterdir()))} entries): choose a new one, or pass "
+                     "--overwrite to replace it")
   ancestor = next(p for p in (path, *path.parents) if p.exists())
   if not ancestor.is_dir():
     raise ValueError(f"--output {output!r} cannot be created: {ancestor} is a file")
@@ -78,8 +89,13 @@ def check_output(output: str) -> None:
 
 
 def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "float32",
-           max_shard_bytes: int = 5 * 10**9) -> list[str]:
+           max_shard_bytes: int = 5 * 10**9, overwrite: bool = False) -> list[str]:
   """Writes the Hugging Face checkpoint of ``workdir`` (or ``step``) to ``output``.
+
+  ``output`` must not exist or be empty, unless ``overwrite``. Everything is written into a
+  directory staged beside it and renamed into place at the end (an existing ``output`` is then
+  swapped out and removed, ``workdir_files.staged_dir``): a failed or killed export leaves
+  ``output`` as it was.
 
   Returns:
     the tokenizer files copied (empty for a character tokenizer).
@@ -91,7 +107,7 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
     raise ValueError(f"--dtype {dtype!r} is not one of {DTYPES}")
   if max_shard_bytes <= 0:
     raise ValueError("--max_shard_size must be positive")
-  check_output(output)
+  check_output(output, overwrite=overwrite)
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
@@ -106,22 +122,24 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
   mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
                             devices=jax.local_devices())
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
-  models.save_pretrained(model, output, max_shard_bytes=max_shard_bytes)
   copied = []
   directory = tokenizer_dir(source)
-  if directory is not None:
-    for name in hub.TOKENIZER_FILES:
-      path = os.path.join(directory, name)
-      if os.path.isfile(path):
-        shutil.copyfile(path, os.path.join(output, name))
-        copied.append(name)
   record = checkpoint_source.export_record(source)
-  record_path = os.path.join(output, checkpoint_source.EXPORT_FILE)
-  if record is not None:
-    with open(record_path, "w", encoding="utf-8") as f:
-      json.dump(record, f, indent=2, sort_keys=True)
-  elif os.path.exists(record_path):  # An earlier export's config would misdescribe this model.
-    os.remove(record_path)
+  try:
+    with workdir_files.staged_dir(output, overwrite=overwrite) as staging:
+      models.save_pretrained(model, os.fspath(staging), max_shard_bytes=max_shard_bytes)
+      if directory is not None:
+        for name in hub.TOKENIZER_FILES:
+          path = os.path.join(directory, name)
+          if os.path.isfile(path):
+            with open(path, "rb") as file:
+              workdir_files.write_bytes(os.path.join(staging, name), file.read())
+            copied.append(name)
+      if record is not None:
+        workdir_files.write_text(os.path.join(staging, checkpoint_source.EXPORT_FILE),
+                                 json.dumps(record, indent=2, sort_keys=True))
+  except workdir_files.WorkdirError as error:
+    raise ValueError(f"--output: {error}") from None
   return copied
 
 
@@ -137,10 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="dtype of the stored tensors (default float32: lossless)")
   parser.add_argument("--max_shard_size", default="5GB",
                       help="split the tensors into files of at most this size (default 5GB)")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace a non-empty --output (written aside, then swapped in)")
   args = parser.parse_args(argv)
   try:
     copied = export(args.workdir, args.output, step=args.step, dtype=args.dtype,
-                    max_shard_bytes=parse_size(args.max_shard_size))
+                    max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite)
   except (ValueError, FileNotFoundError, NotImplementedError) as error:
     parser.error(str(error))
   print(f"wrote {args.output}"

@@ -3,7 +3,7 @@
 With libtpu installed (the ``tpu`` and ``test`` extras), JAX tries the TPU backend in every
 process, and libtpu, finding no TPU metadata, prints warnings about TPU_ACCELERATOR_TYPE and
 TPU_WORKER_HOSTNAMES on every start, and takes a machine-wide lock file
-(/tmp/libtpu_lockfile), so that a second JAX process at the same time cannot use libtpu at all
+(/tmp/libtpu_lockfile) and a log directory (/tmp/tpu_logs/), so that a second JAX process at the same time cannot use libtpu at all
 (ahead-of-time compilation for a TPU topology, `stabledrl_jax.tpu_compile`, fails with
 "Internal error when accessing libtpu multi-process lockfile"). Where no TPU chip is attached,
 `quiet_without_tpu` sets (unless already set) the variables that answer libtpu's questions for a
@@ -24,6 +24,7 @@ QUIET_ENV = {
     "TPU_WORKER_HOSTNAMES": "localhost",
     "TPU_HOST_BOUNDS": "1,1,1",
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # no chip to guard: no lock file
+    "TPU_LOG_DIR": "disabled",  # no /tmp/tpu_logs/ from a process that runs on no TPU
 }
 
 
@@ -36,6 +37,13 @@ def tpu_attached() -> bool:
     except OSError:
       continue
   return False
+
+
+def log_into(workdir: str) -> None:
+  """On a TPU host, libtpu's logs go to ``<workdir>/tpu_logs`` (not /tmp/tpu_logs), unless
+  TPU_LOG_DIR is set; a remote workdir keeps libtpu's default. Before JAX starts a backend."""
+  if tpu_attached() and "://" not in workdir:
+    os.environ.setdefault("TPU_LOG_DIR", os.path.join(os.path.abspath(workdir), "tpu_logs"))
 
 
 def quiet_without_tpu() -> None:

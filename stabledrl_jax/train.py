@@ -11,7 +11,8 @@ latest checkpoint.
 Several processes (docs/pods.md): on a TPU pod slice, under Slurm or Open MPI, run the same
 command on every host and the processes find each other. Elsewhere add ``--coordinator_address
 HOST:PORT --num_processes N --process_id I``. SIGTERM saves a checkpoint at the next step
-boundary and exits 0.
+boundary and exits 0 (within ``train.stop_grace_s``, else it exits 143 at once, keeping the last
+checkpoint); Ctrl-C does the same, and a second Ctrl-C exits 130 at once.
 """
 
 import os
@@ -20,7 +21,7 @@ import sys
 
 from absl import app, flags, logging
 
-from stabledrl_jax import cli_flags
+from stabledrl_jax import cli_flags, libtpu_env
 from stabledrl_jax.training import multihost
 
 _CONFIG = cli_flags.CONFIG
@@ -38,10 +39,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
+  libtpu_env.log_into(_WORKDIR.value)  # Before any backend starts.
   try:
     multihost.initialize_from_flags()
     from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
-    trainer.train(_CONFIG.value, _WORKDIR.value)
+    trainer.train(_CONFIG.value, _WORKDIR.value, hard_stop=True)
   except KeyboardInterrupt:
     # A second Ctrl-C (the trainer has released the workdir): exit now, skipping the
     # interpreter's teardown, which would free XLA's client under a compilation still running on

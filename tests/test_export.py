@@ -182,10 +182,11 @@ def test_a_plain_checkpoint_says_what_it_guessed(tmp_path, capsys):
   assert ("with_instruction=True" in notes[0] and "assistant_prefix=''" in notes[0]
           and "sudoku=synthetic from the default generator (seed 0)" in notes[0]), notes
   assert _generations(tmp_path / "out")["settings"]["prompt"]["with_instruction"] is True
-  # Exporting it writes no training config, and removes a stale one of an earlier export.
+  # Exporting it writes no training config; over an earlier export (--overwrite) the stale one
+  # goes with the rest of the directory it replaces.
   (tmp_path / "again").mkdir()
   (tmp_path / "again" / checkpoint_source.EXPORT_FILE).write_text("{}")
-  export.export(str(tmp_path / "plain"), str(tmp_path / "again"))
+  export.export(str(tmp_path / "plain"), str(tmp_path / "again"), overwrite=True)
   assert not (tmp_path / "again" / checkpoint_source.EXPORT_FILE).exists()
 
 
@@ -219,3 +220,40 @@ def test_an_output_that_is_a_file_is_named(workdir, tmp_path, capsys):
     export.main(["--workdir", str(workdir), "--output", str(target)])
   assert f"--output '{target}' is an existing file, not a directory" in capsys.readouterr().err
   assert target.read_text() == "keep me"
+
+
+def test_a_non_empty_output_is_refused_unless_overwrite_which_swaps_it(workdir, tmp_path,
+                                                                         capsys):
+  """export --output DIR wrote beside another checkpoint's files without a word; now it refuses
+  a non-empty directory, and --overwrite writes aside and swaps the whole directory."""
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "model.safetensors").write_text("another checkpoint")
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(SystemExit):
+    export.main(["--workdir", str(workdir), "--output", str(out)])
+  err = capsys.readouterr().err
+  assert f"--output '{out}' is a directory that is not empty" in err and "--overwrite" in err
+  assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+  assert (out / "model.safetensors").read_text() == "another checkpoint"
+  assert export.main(["--workdir", str(workdir), "--output", str(out), "--overwrite"]) == 0
+  assert not (out / "notes.txt").exists() and (out / "config.json").exists()
+  assert models.from_pretrained(str(out)) is not None
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # Nothing staged is left.
+
+
+def test_a_failed_export_leaves_the_output_as_it_was(workdir, tmp_path, monkeypatch):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "keep.txt").write_text("mine")
+  import errno  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(hf_io, "save_file", full)
+  with pytest.raises(ValueError, match=rf"^--output: cannot write .*model.safetensors: no space"):
+    export.export(str(workdir), str(out), overwrite=True)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+  assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -2,6 +2,7 @@
 updates, torn metrics, resumes of another run, a second trainer, damaged checkpoints, bad files
 for the scoring CLI and the loaders."""
 
+import errno
 import json
 import os
 import shutil
@@ -357,17 +358,27 @@ def _full_disk_after(monkeypatch, cls, name, where):
 
 def test_a_full_disk_while_the_supervised_start_is_written_leaves_no_half_start(tmp_path,
                                                                                  monkeypatch):
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  _full_disk_after(monkeypatch, type(epath.Path(tmp_path)), "write_bytes", tmp_path)
+  from stabledrl_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+  real_save = hf_io.save_file
+
+  def full(tensors, path, **kwargs):  # Half a file, then the disk is full.
+    real_save(dict(list(tensors.items())[: len(tensors) // 2]), path, **kwargs)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(hf_io, "save_file", full)
   config = tiny_config(**{"sft.num_steps": 2, "train.num_steps": 0})
   with pytest.raises(checkpointing.WorkdirError,
-                     match=rf"^cannot write {tmp_path / trainer.SFT_DIR}: no space left"):
+                     match=rf"^cannot write {tmp_path / trainer.SFT_DIR}/model.safetensors: no "
+                           "space left"):
     trainer.train(config, str(tmp_path))
+  # Nothing staged is left (the start was staged inside the workdir, beside sft_model).
   assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sft_progress"]
   monkeypatch.undo()  # Space again: the rerun fits and writes the start.
   trainer.train(config, str(tmp_path))
   assert (tmp_path / trainer.SFT_DIR / "config.json").exists()
-  assert not (tmp_path / f"{trainer.SFT_DIR}.tmp").exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "checkpoints", "config.json", "metrics.jsonl", "samples.jsonl", trainer.SFT_DIR,
+      "tensorboard"]
 
 
 def test_a_full_disk_while_a_checkpoint_is_written_names_it(tmp_path, monkeypatch):
@@ -380,6 +391,8 @@ def test_a_full_disk_while_a_checkpoint_is_written_names_it(tmp_path, monkeypatc
     trainer.train(_quick(), str(tmp_path))
   assert not (tmp_path / checkpointing.WorkdirLock.NAME).exists()
   assert checkpointing.Checkpointer(tmp_path, read_only=True).all_steps() == []
+  # No orbax temporary directory is left behind.
+  assert list((tmp_path / checkpointing.CHECKPOINT_DIR).iterdir()) == []
 
 
 def test_a_run_whose_every_step_skipped_fails_under_max_consecutive_skips(tmp_path):

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from stabledrl_jax import hub
+from stabledrl_jax import hub, workdir_files
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import sharding as sharding_lib
 
@@ -296,12 +296,6 @@ def _shard_groups(sizes: list[int], max_bytes: int) -> Iterator[list[int]]:
     yield group
 
 
-def _umask() -> int:
-  mask = os.umask(0o022)
-  os.umask(mask)
-  return mask
-
-
 def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) -> None:
   """Write `model` as a Hugging Face checkpoint directory (readable by `from_pretrained`).
 
@@ -316,13 +310,13 @@ def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) 
   config = model.config
   layout = family_lib.of(config).checkpoint
   hf_config = layout.config_to_hf(config)
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, CONFIG_FILE), "w") as f:
-    json.dump(hf_config, f, indent=2, sort_keys=True)
+  workdir_files.make_dir(path)
+  workdir_files.write_text(os.path.join(path, CONFIG_FILE),
+                           json.dumps(hf_config, indent=2, sort_keys=True))
   stops = list(getattr(config, "stop_token_ids", ()))
   if len(stops) > 1:  # As the releases: the chat model's stop tokens in generation_config.json.
-    with open(os.path.join(path, GENERATION_CONFIG_FILE), "w") as f:
-      json.dump({"eos_token_id": stops, "pad_token_id": config.eos_token_id}, f, indent=2)
+    workdir_files.write_text(os.path.join(path, GENERATION_CONFIG_FILE), json.dumps(
+        {"eos_token_id": stops, "pad_token_id": config.eos_token_id}, indent=2))
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   entries = layout.param_names(config, hf_config)
   sizes = [int(np.prod(flat[p].shape)) * jnp.dtype(flat[p].dtype).itemsize for _, p, _ in entries]
@@ -340,11 +334,12 @@ def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) 
     file_name = (SINGLE_FILE if len(groups) == 1
                  else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors")
     tensors = {entries[i][0]: host(entries[i][1], entries[i][2]) for i in group}
-    save_file(tensors, os.path.join(path, file_name), metadata={"format": "pt"})
-    # safetensors writes 0600; a checkpoint is readable like any new file (0666 less the umask).
-    os.chmod(os.path.join(path, file_name), 0o666 & ~_umask())
+    # Written aside and renamed (never through a link), with the mode of any new file (0666
+    # less the umask; safetensors alone writes 0600).
+    with workdir_files.replacing(os.path.join(path, file_name)) as staging:
+      save_file(tensors, staging, metadata={"format": "pt"})
     weight_map.update({name: file_name for name in tensors})
   if len(groups) > 1:
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}, f,
-                indent=2, sort_keys=True)
+    workdir_files.write_text(os.path.join(path, INDEX_FILE), json.dumps(
+        {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}, indent=2,
+        sort_keys=True))

@@ -14,13 +14,14 @@ shards and agrees on completion.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import stat
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -31,29 +32,15 @@ import orbax.checkpoint as ocp
 from absl import flags, logging
 from etils import epath
 
+from stabledrl_jax import workdir_files
+# The workdir's one way to write, and its error (``workdir_files``), as this module's names.
+from stabledrl_jax.workdir_files import WorkdirError, is_local, writing  # pylint: disable=unused-import
+
 
 CHECKPOINT_DIR = "checkpoints"
 # Checkpoints that could not be restored are moved here (beside checkpoints/, out of orbax's
 # sight), not deleted: the evidence stays.
 DAMAGED_DIR = "checkpoints_damaged"
-
-
-class WorkdirError(RuntimeError):
-  """A file of the workdir cannot be written (read-only, full disk, a directory in the way);
-  the message, one line, names the file."""
-
-
-@contextlib.contextmanager
-def writing(path: epath.PathLike):
-  """Turns an ``OSError`` (a full disk, no permission) into a ``WorkdirError`` naming ``path``:
-  a failed write without a file name, or deep in a library, still says which file it was."""
-  try:
-    yield
-  except OSError as error:
-    reason = error.strerror or str(error) or type(error).__name__
-    if error.errno == errno.ENOSPC:
-      reason = "no space left on the device"
-    raise WorkdirError(f"cannot write {path}: {reason}") from error
 
 
 def _use_distributed_barriers() -> None:
@@ -69,11 +56,6 @@ def _use_distributed_barriers() -> None:
     if not flags.FLAGS.is_parsed():  # A library caller (notebook) that parsed no flags.
       flags.FLAGS.mark_as_parsed()
     flags.FLAGS[name].value = True
-
-
-def is_local(path: epath.PathLike) -> bool:
-  """Whether ``path`` is on this machine's file system (not ``gs://`` and the like)."""
-  return "://" not in str(path)
 
 
 def resolve_workdir(workdir: epath.PathLike) -> epath.Path:
@@ -105,19 +87,60 @@ def _closed_loop_noise(unraisable) -> bool:
   return "call_soon_threadsafe" in frames
 
 
-def _quiet_closed_loops() -> None:
-  """Drops ``_closed_loop_noise`` before ``sys.unraisablehook`` prints it (installed once,
-  over whatever hook is set then)."""
+# Libraries whose background threads write the workdir; their OSErrors (a full disk) come back
+# to the trainer through the library's own calls (orbax's wait, the writer's close), where they
+# are one line naming the file (``writing``).
+_WRITER_LIBRARIES = ("orbax", "tensorboardX")
+
+
+def _library_write_error(error: BaseException | None, tb) -> bool:
+  """Whether ``error`` is a file system's error (``workdir_files.os_error_of``) raised in a
+  writer library."""
+  if workdir_files.os_error_of(error) is None:
+    return False
+  files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+  return any(f"{os.sep}{name}{os.sep}" in file for file in files for name in _WRITER_LIBRARIES)
+
+
+class _QuietWriteErrors:
+  """An absl logging filter: drops the ERROR records (with tracebacks) that orbax's threads log
+  for an ``OSError`` of a save, which ``Checkpointer.wait`` then raises as one line. Only while
+  absl logs at WARNING or above (``--verbosity=0`` shows them)."""
+
+  def filter(self, record) -> bool:
+    if logging.get_verbosity() > logging.WARNING or record.levelno < 40:  # 40: ERROR
+      return True
+    if "orbax" not in record.pathname:
+      return True
+    if not record.exc_info:
+      return True
+    return not _library_write_error(record.exc_info[1], record.exc_info[2])
+
+
+def _quiet_library_noise() -> None:
+  """Installed once: ``sys.unraisablehook`` drops ``_closed_loop_noise`` and a writer library's
+  write errors at exit (tensorboardX's atexit flush); ``threading.excepthook`` drops a writer
+  library's thread dying of a write error; absl's logger drops orbax's logged write errors
+  (``_QuietWriteErrors``). Everything else passes on to the hooks set before."""
   previous = sys.unraisablehook
   if getattr(previous, "_stabledrl_quiet", False):
     return
 
-  def hook(unraisable):
-    if not _closed_loop_noise(unraisable):
+  def unraisable_hook(unraisable):
+    if not (_closed_loop_noise(unraisable)
+            or _library_write_error(unraisable.exc_value, unraisable.exc_traceback)):
       previous(unraisable)
 
-  hook._stabledrl_quiet = True  # pylint: disable=protected-access
-  sys.unraisablehook = hook
+  previous_thread_hook = threading.excepthook
+
+  def thread_hook(args):
+    if not _library_write_error(args.exc_value, args.exc_traceback):
+      previous_thread_hook(args)
+
+  unraisable_hook._stabledrl_quiet = True  # pylint: disable=protected-access
+  sys.unraisablehook = unraisable_hook
+  threading.excepthook = thread_hook
+  logging.get_absl_logger().addFilter(_QuietWriteErrors())
 
 
 class Checkpointer:
@@ -131,7 +154,7 @@ class Checkpointer:
   def __init__(self, workdir: epath.PathLike, *, max_to_keep: int = 3, async_save: bool = True,
                read_only: bool = False, subdir: str = CHECKPOINT_DIR):
     self.directory = resolve_workdir(workdir) / subdir
-    _quiet_closed_loops()
+    _quiet_library_noise()
     if jax.process_count() > 1:
       _use_distributed_barriers()
     if read_only:
@@ -141,7 +164,11 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                              enable_async_checkpointing=async_save,
                                              cleanup_tmp_directories=True)
+    self._read_only = read_only
+    self._pending = None  # The step of the save in flight, if any.
     with writing(self.directory):
+      if not read_only:
+        workdir_files.make_dir(self.directory)  # A real directory, not a link out.
       self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -154,11 +181,37 @@ class Checkpointer:
     """Starts saving (returns before the write completes when asynchronous).
 
     Raises:
-      WorkdirError: this save, or the asynchronous one before it, could not be written.
+      WorkdirError: this save, or the asynchronous one before it, could not be written (one
+        line naming the step's directory and the cause; what it staged is removed, and the
+        last complete checkpoint stays the latest).
     """
-    with writing(self.directory / str(step)):
+    self.wait()  # The save before it: its failure names its own step.
+    self._pending = step
+    with self._failing_save():
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+  @contextlib.contextmanager
+  def _failing_save(self):
+    """A failed save (``OSError`` anywhere in orbax) is a ``WorkdirError`` naming the pending
+    step's directory; its temporary directory is removed (process 0)."""
+    step = self._pending
+    try:
+      with writing(self.directory / str(step) if step is not None else self.directory):
+        yield
+    except BaseException:
+      self._pending = None
+      if step is not None and jax.process_index() == 0:
+        self._remove_unfinished(step)
+      raise
+
+  def _remove_unfinished(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left (orbax's ``<step>.orbax-checkpoint-tmp*``)."""
+    if not is_local(self.directory) or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name.startswith(f"{step}.") and "tmp" in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """The state (placed like ``abstract_state``: shapes, dtypes, shardings) and meta of ``step``."""
@@ -193,7 +246,7 @@ class Checkpointer:
     others wait) and forgets it; returns where it went."""
     target = self.directory.parent / DAMAGED_DIR / str(step)
     if jax.process_index() == 0:
-      target.parent.mkdir(parents=True, exist_ok=True)
+      workdir_files.make_dir(target.parent)
       if target.exists():
         target = target.parent / f"{step}.{len(list(target.parent.iterdir()))}"
       (self.directory / str(step)).rename(target)
@@ -217,8 +270,9 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Until the saves in flight are written (``WorkdirError`` if one could not be)."""
-    with writing(self.directory):
+    with self._failing_save():
       self._manager.wait_until_finished()
+    self._pending = None
 
   def close(self) -> None:
     """Waits for the saves in flight (``WorkdirError`` if one failed), then closes."""
@@ -344,22 +398,7 @@ class WorkdirLock:
   def _write(self) -> None:
     """``LOCK`` holds ``self._me``: a new file in the workdir renamed over it (over a symbolic
     link, not through it)."""
-    text = json.dumps(self._me)
-    with writing(self.path):
-      if not is_local(self.path):
-        self.path.write_text(text)
-        return
-      staging = f"{self.path}.{os.getpid()}.tmp"
-      try:
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                     | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with os.fdopen(fd, "w") as file:
-          file.write(text)
-        os.replace(staging, self.path)
-      except BaseException:
-        with contextlib.suppress(OSError):
-          os.unlink(staging)
-        raise
+    workdir_files.write_text(self.path, json.dumps(self._me))
 
   def _alive(self, owner: dict[str, Any], me: dict[str, Any], stale_after_s: float) -> bool:
     if owner.get("host") == me["host"]:
@@ -377,8 +416,15 @@ class WorkdirLock:
     return age < stale_after_s
 
   def touch(self) -> None:
-    """Marks the owner alive (for trainers on other hosts)."""
-    self._write()
+    """Marks the owner alive (for trainers on other hosts): its modification time, which needs
+    no space on a full disk (a remote lock is rewritten)."""
+    if not is_local(self.path):
+      self._write()
+      return
+    try:
+      os.utime(self.path, follow_symlinks=False)
+    except OSError:  # Gone or replaced since: written anew.
+      self._write()
 
   def release(self) -> None:
     """Removes ``LOCK`` (a link in its place included; never what a link points to)."""

@@ -127,7 +127,10 @@ def base_config() -> ml_collections.ConfigDict:
       # gradients: memory grows as batch x parameters, so for small models).
       gradient_bound=False,
       # A persistent XLA compilation cache (local or gs://; '' off): restarts skip compiling.
-      compilation_cache_dir=""))
+      compilation_cache_dir="",
+      # Seconds a SIGTERM waits for the step boundary and its checkpoint before the command
+      # ends at once (one process; a preemption's notice is about 30 s; 0: wait however long).
+      stop_grace_s=60.0))
   c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0))  # 0: gen/2
   # What process 0 logs besides metrics.jsonl and TensorBoard (docs/training.md, "Metrics").
   c.logging = ml_collections.ConfigDict(dict(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from typing import Any, Mapping
 
 import numpy as np
 from absl import logging
 from etils import epath
 
-from stabledrl_jax.training import checkpointing
+from stabledrl_jax import workdir_files
 
 
 def _to_python(value: Any) -> Any:
@@ -51,21 +52,16 @@ def read_metrics(path: epath.PathLike) -> list[dict[str, Any]]:
   return records
 
 
-def _write_atomically(path: epath.Path, text: str) -> None:
-  staging = path.parent / (path.name + ".tmp")
-  staging.write_text(text)
-  staging.replace(path)
-
-
 class _JsonlLog:
   """One JSON-lines file of records with a ``step``, appended (local) or rewritten (remote)."""
 
   def __init__(self, path: epath.Path, *, local: bool, resume_step: int):
     self.path = path
     lines = [json.dumps(r) + "\n" for r in read_metrics(path) if r.get("step", 0) <= resume_step]
-    # Rewritten atomically: a kill during the rewrite must not lose the history.
-    _write_atomically(path, "".join(lines))
-    self._file = path.open("a") if local else None
+    # Rewritten aside and renamed over it: a kill during the rewrite must not lose the history,
+    # and a link in its place is replaced, never followed (``workdir_files``).
+    workdir_files.write_text(path, "".join(lines))
+    self._file = workdir_files.open_append(path) if local else None
     self._lines = None if local else lines  # Kept only where each record rewrites the file.
 
   def append(self, record: Mapping[str, Any]) -> None:
@@ -75,7 +71,7 @@ class _JsonlLog:
       self._file.flush()
     else:  # The whole file each time: object stores cannot append.
       self._lines.append(line)
-      _write_atomically(self.path, "".join(self._lines))
+      workdir_files.write_text(self.path, "".join(self._lines))
 
   def close(self) -> None:
     if self._file is not None:
@@ -94,7 +90,7 @@ class _Wandb:
     # The run id lives in the workdir, so that a resumed run continues the same W&B run.
     id_file = workdir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
-    id_file.write_text(run_id)
+    workdir_files.write_text(id_file, run_id)
     self._run = wandb.init(project=settings["project"], entity=settings.get("entity") or None,
                            name=settings.get("name") or workdir.name, id=run_id,
                            resume="allow", config=dict(config))
@@ -125,14 +121,17 @@ class MetricsWriter:
     """
     workdir = epath.Path(workdir)
     self.path = workdir / "metrics.jsonl"
-    local = checkpointing.is_local(workdir)
+    local = workdir_files.is_local(workdir)
     self._metrics = _JsonlLog(self.path, local=local, resume_step=resume_step)
     self._samples = _JsonlLog(workdir / "samples.jsonl", local=local, resume_step=resume_step)
     self._tb = None
     if tensorboard:
       import tensorboardX  # Imported lazily: only the writer needs it.
-      self._tb = tensorboardX.SummaryWriter(str(workdir / "tensorboard"),
-                                            purge_step=resume_step + 1)
+      # Its events file is a new name in a real directory of the workdir (a random suffix: no
+      # link planted under the name it will take).
+      self._tb = tensorboardX.SummaryWriter(
+          str(workdir_files.make_dir(workdir / "tensorboard")), purge_step=resume_step + 1,
+          filename_suffix=f".{secrets.token_hex(4)}")
     self._wandb = (_Wandb(workdir, wandb, config or {}) if wandb and wandb.get("project")
                    else None)
 

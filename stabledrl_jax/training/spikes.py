@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from stabledrl_jax import workdir_files
+
 SPIKES_DIR = "spikes"
 
 # What a spike file holds. N rollouts of the step, I inner updates.
@@ -82,10 +84,10 @@ def spike_path(workdir: epath.PathLike, step: int) -> epath.Path:
 def write_spike(workdir: epath.PathLike, step: int, arrays: dict[str, Any]) -> epath.Path:
   """Writes ``arrays`` (``SPIKE_FIELDS``) as one compressed npz (local or gs://)."""
   path = spike_path(workdir, step)
-  path.parent.mkdir(parents=True, exist_ok=True)
+  workdir_files.make_dir(path.parent)
   buffer = io.BytesIO()
   np.savez_compressed(buffer, **{k: np.asarray(v) for k, v in arrays.items()})
-  path.write_bytes(buffer.getvalue())
+  workdir_files.write_bytes(path, buffer.getvalue())
   return path
 
 

@@ -30,14 +30,13 @@ processes, and ends the run normally; rerunning the command continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
-import signal
+import os
 import sys
-import tempfile
-import threading
 import time
 from typing import Any
 
@@ -49,12 +48,11 @@ import tqdm
 from absl import logging
 from etils import epath
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from stabledrl_jax import hub, models, profiling, tasks
+from stabledrl_jax import hub, models, profiling, tasks, workdir_files
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
-from stabledrl_jax.training import metrics_writer, multihost
+from stabledrl_jax.training import metrics_writer, multihost, preemption
 from stabledrl_jax.training import optimizer as optimizer_lib
 from stabledrl_jax.training import reward_pool, rl_loss, rollout as rollout_lib, run_spec, spikes
 from stabledrl_jax.training import supervised, train_step
@@ -214,30 +212,18 @@ def _sft_state(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
 
 
 def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
-  """Process 0 writes ``model`` to ``path`` (local or remote), through a temporary directory
-  renamed at the end: a kill mid-save must not leave a torn start, and a failed save (a full
-  disk) removes its temporary directory and raises ``WorkdirError`` naming ``path``."""
+  """Process 0 writes ``model`` to ``path`` (local or remote), through a directory staged beside
+  it in the workdir and renamed at the end (``workdir_files.staged_dir``): a kill mid-save
+  leaves no torn start, and a failed save (a full disk) removes what it staged and raises
+  ``WorkdirError`` naming ``path``."""
   if jax.process_count() > 1:  # Every process's shards, replicated, so process 0 can read them.
     graphdef, state = nnx.split(model)
     state = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec()))(state)
     model = nnx.merge(graphdef, state)
   if multihost.is_primary():
-    staging = path.parent / (path.name + ".tmp")
-    try:
-      with checkpointing.writing(path), tempfile.TemporaryDirectory() as local:
-        models.save_pretrained(model, local)
-        if staging.exists():
-          staging.rmtree()
-        _copy_files(epath.Path(local), staging)
-        staging.rename(path)
-    except BaseException:
-      try:
-        if staging.exists():
-          staging.rmtree()
-      except OSError:
-        pass
-      raise
+    with workdir_files.staged_dir(path, overwrite=True) as staging:
+      models.save_pretrained(model, os.fspath(staging))
   multihost.sync("stabledrl_jax: supervised start written")
 
 
@@ -247,7 +233,7 @@ def _load_pretrained(path: epath.Path, mesh, config: ml_collections.ConfigDict) 
   options = dict(_dtypes(config), remat=config.model.remat, **specs.run_options(config))
   if checkpointing.is_local(path):
     return models.from_pretrained(str(path), mesh=mesh, **options)
-  with tempfile.TemporaryDirectory() as local:
+  with workdir_files.local_staging() as local:
     _copy_files(path, epath.Path(local))
     return models.from_pretrained(local, mesh=mesh, **options)
 
@@ -367,7 +353,11 @@ def _restored_state(fresh: train_step.TrainState, restored: dict[str, Any]
 class Trainer:
   """Holds what the loop needs across steps; ``run()`` trains to ``train.num_steps``."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | epath.PathLike):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | epath.PathLike, *,
+               hard_stop: bool = False):
+    """``hard_stop`` (the command line): a second Ctrl-C, or a SIGTERM not answered within
+    ``train.stop_grace_s``, ends the process at once even inside a long jitted call
+    (``preemption.PreemptionWatcher``); a notebook keeps its kernel (KeyboardInterrupt)."""
     specs.validate(config, num_devices=jax.device_count())
     if config.train.compilation_cache_dir:  # Before anything compiles.
       jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
@@ -377,23 +367,36 @@ class Trainer:
     self.lock = None
     # Why a signal stopped the build (the supervised start saved its progress), else ''.
     self.stopped = ""
-    self.writer = None
+    self.writer = self.checkpointer = self.scorer = None  # Closed by ``close``, whatever exists.
     if self.primary:
       with checkpointing.writing(self.workdir):
         self.workdir.mkdir(parents=True, exist_ok=True)
       self.lock = checkpointing.WorkdirLock(self.workdir)  # Refuses a second trainer.
     # From here SIGTERM and SIGINT stop at the next step boundary, the supervised start's ones
     # included; the handlers are restored after the build and installed again by ``run``.
-    self.watcher = PreemptionWatcher(on_abort=self._release_lock)
+    self.watcher = preemption.PreemptionWatcher(
+        on_abort=self._release_lock, grace_s=config.train.stop_grace_s, hard_stop=hard_stop,
+        kept=self._kept)
     try:
       self._build(config)
     except Stopped as stop:
       self.stopped = str(stop)
     except BaseException:
-      self._release_lock()
+      self._close(raising=False)  # orbax's and the reward pool's threads end before the error.
       raise
     finally:
       self.watcher.uninstall()
+
+  def _kept(self) -> str:
+    """What an immediate stop keeps: the newest complete checkpoint (or supervised progress)."""
+    for subdir, what in ((checkpointing.CHECKPOINT_DIR, "checkpoint"),
+                         (SFT_PROGRESS_DIR, "saved supervised step")):
+      directory = self.workdir / subdir
+      steps = ([int(p.name) for p in directory.iterdir() if p.name.isdigit()]
+               if directory.is_dir() else [])
+      if steps:
+        return f"the last {what} is step {max(steps)} in {directory}; rerun to continue from it"
+    return f"no checkpoint was written in {self.workdir}; a rerun starts again"
 
   def _release_lock(self) -> None:
     if self.lock is not None:
@@ -461,8 +464,8 @@ class Trainer:
       self.start_step = int(state.step)
     self.state = state
     if self.primary:  # Only now: a failed resume leaves the workdir as it was.
-      with checkpointing.writing(self.workdir / "config.json"):
-        (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+      workdir_files.write_text(self.workdir / "config.json",
+                               config.to_json_best_effort(indent=2))
 
     self.spec = self.run_spec.likelihood
     self.advance_objective_state = jax.jit(
@@ -756,12 +759,13 @@ class Trainer:
                           "to continue")
         return history
       history = self._loop(watcher)
-    finally:
-      watcher.close()
-      self.close()
+    except BaseException:
+      self._close(raising=False)  # The error that stopped the loop is the one to report.
+      raise
+    self.close()
     return history
 
-  def _loop(self, watcher: PreemptionWatcher) -> list[dict[str, Any]]:
+  def _loop(self, watcher: preemption.PreemptionWatcher) -> list[dict[str, Any]]:
     config = self.config
     history = []
     eval_key = jax.random.key(config.seed + 1)
@@ -840,14 +844,27 @@ class Trainer:
 
   def close(self) -> None:
     """Finishes the saves in flight, closes the writers and the reward pool, and releases the
-    workdir (``run`` does this when it ends)."""
-    try:
-      self.checkpointer.close()
-    finally:
-      self.scorer.close()
-      if self.writer is not None:
-        self.writer.close()
-      self._release_lock()  # Last: the saves above have finished (or failed).
+    workdir (``run`` does this when it ends). Each is closed even if one before it fails; the
+    first failure is raised after LOCK is released."""
+    self._close(raising=True)
+
+  def _close(self, *, raising: bool) -> None:
+    self.watcher.close()
+    errors = []
+    parts = [(self.checkpointer, self.workdir / checkpointing.CHECKPOINT_DIR),
+             (self.scorer, None), (self.writer, self.workdir)]
+    for part, where in parts:
+      if part is None:
+        continue
+      try:
+        with checkpointing.writing(where) if where is not None else contextlib.nullcontext():
+          part.close()
+      except BaseException as error:  # pylint: disable=broad-except
+        errors.append(error)
+    self.checkpointer = self.scorer = self.writer = None
+    self._release_lock()  # Last: the saves above have finished (or failed).
+    if raising and errors:
+      raise errors[0]
 
   def _write(self, step: int, metrics: dict[str, Any]) -> None:
     if self.writer is not None:
@@ -899,66 +916,7 @@ def _ratio_noise(variances: list[float]) -> dict[str, float]:
           "ratio_noise/share": min(1.0, variances[0] / variances[-1])}
 
 
-class PreemptionWatcher:
-  """Whether a SIGTERM or SIGINT asks the run to stop, agreed by every process at one step
-  boundary (of the supervised start or of RL).
-
-  SIGTERM (preemption, ``kill``): with several processes ``jax.distributed``'s preemption sync
-  point (its own SIGTERM handler, and on TPUs the maintenance notices), so that all stop at the
-  same boundary; one process: a handler that sets a flag. SIGINT (Ctrl-C): a handler that sets
-  a flag (process 0's decides for all); a second SIGINT stops at once: ``on_abort`` (the
-  trainer releases its LOCK), then KeyboardInterrupt. The handlers are installed from the main
-  thread only, by ``install``, and restored by ``uninstall``; the flags stay set across.
-  """
-
-  def __init__(self, on_abort=None):
-    self._flag = threading.Event()
-    self._interrupted = threading.Event()
-    self._previous = {}
-    self._on_abort = on_abort
-    self.install()
-
-  def install(self) -> None:
-    if self._previous or threading.current_thread() is not threading.main_thread():
-      return
-    if jax.process_count() == 1:
-      self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
-    self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
-
-  def _on_term(self, *_):
-    self._flag.set()
-
-  def _on_interrupt(self, *_):
-    if self._interrupted.is_set():  # The second Ctrl-C: stop now.
-      print("\nInterrupted again: stopping now, without saving.", file=sys.stderr, flush=True)
-      if self._on_abort is not None:
-        self._on_abort()
-      raise KeyboardInterrupt
-    self._interrupted.set()
-    print("\nInterrupted: saving at the end of this step (Ctrl-C again to stop now).",
-          file=sys.stderr, flush=True)
-
-  def reached(self, step: int) -> bool:
-    """Whether to stop at the boundary after ``step`` (every process asks at the same ones).
-
-    ``step`` is the number orbax saves that boundary's checkpoint under (the supervised step,
-    then the RL step): orbax's ``CheckpointManager.save`` asks the same preemption sync point
-    with it, so both must count alike, or one of them consumes the sync point unseen.
-    """
-    interrupted = multihost.agree(self._interrupted.is_set())
-    if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step) or interrupted
-    return self._flag.is_set() or interrupted
-
-  def uninstall(self) -> None:
-    for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
-    self._previous = {}
-
-  close = uninstall
-
-
-def train(config: ml_collections.ConfigDict, workdir: str | epath.PathLike
-          ) -> list[dict[str, Any]]:
+def train(config: ml_collections.ConfigDict, workdir: str | epath.PathLike, *,
+          hard_stop: bool = False) -> list[dict[str, Any]]:
   """Builds a Trainer and runs it; returns the per-step metrics of this invocation."""
-  return Trainer(config, workdir).run()
+  return Trainer(config, workdir, hard_stop=hard_stop).run()
