@@ -30,16 +30,25 @@ def quickstart(**updates) -> ml_collections.ConfigDict:
   return config
 
 
-def float_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-  """Every field of ``config`` whose declared type is float (unset placeholders included)."""
+def typed_fields(config: ml_collections.ConfigDict, kind: type, prefix: str = "") -> list[str]:
+  """Every field of ``config`` whose declared type is ``kind`` (unset placeholders included;
+  a bool field is no int field)."""
   fields = []
   for key in config.keys():
     value = config[key]
     if isinstance(value, ml_collections.ConfigDict):
-      fields.extend(float_fields(value, f"{prefix}{key}."))
-    elif config.get_type(key) is float:
+      fields.extend(typed_fields(value, kind, f"{prefix}{key}."))
+    elif config.get_type(key) is kind:
       fields.append(f"{prefix}{key}")
   return fields
+
+
+def float_fields(config: ml_collections.ConfigDict) -> list[str]:
+  return typed_fields(config, float)
+
+
+def int_fields(config: ml_collections.ConfigDict) -> list[str]:
+  return typed_fields(config, int)
 
 
 def objective_float_hparams() -> list[tuple[str, str]]:
@@ -47,6 +56,14 @@ def objective_float_hparams() -> list[tuple[str, str]]:
   return [(objective.name, field.name) for objective in objectives.objectives()
           for field in dataclasses.fields(objective.hparams)
           if isinstance(field.default, float)]
+
+
+def objective_int_hparams() -> list[tuple[str, str]]:
+  """(objective, field) for every integer hyperparameter of every registered objective (their
+  ranges are the objective's own check, ``Objective.make_hparams``)."""
+  return [(objective.name, field.name) for objective in objectives.objectives()
+          for field in dataclasses.fields(objective.hparams)
+          if isinstance(field.default, int) and not isinstance(field.default, bool)]
 
 
 def assert_names(error: BaseException, field: str) -> None:
@@ -138,7 +155,20 @@ def test_every_float_field_of_base_config_has_a_range():
   assert not set(specs.FLOAT_RANGES) - set(float_fields(config_lib.base_config()))
 
 
+def test_every_float_range_is_bounded_above():
+  """A float with no finite upper bound takes 1e300 (optimizer.eps=1e300 trained with updates
+  of about 0, and only an overflow warning)."""
+  assert [field for field, bounds in specs.FLOAT_RANGES.items() if bounds.high == float("inf")
+          ] == []
+
+
 @pytest.mark.parametrize("field,value", [
+    ("optimizer.eps", 1e300), ("optimizer.eps", 1.5), ("optimizer.weight_decay", 2.0),
+    ("optimizer.weight_decay", 1e300), ("optimizer.grad_clip", 1e300),
+    ("rollout.temperature", 1e300), ("checkpoint.every_seconds", 1e300),
+    ("task.reward_timeout_s", 1e300), ("logging.peak_tflops_per_device", 1e300),
+    ("diagnostics.spike_factor", 1e300), ("train.stop_grace_s", 1e300),
+    ("train.stop_grace_s", -1.0),
     ("optimizer.b1", 1.0), ("optimizer.b1", -0.1), ("optimizer.b2", 1.5), ("optimizer.eps", 0.0),
     ("optimizer.end_lr_factor", 1.5), ("rollout.temperature", -0.5), ("rollout.threshold", 0.0),
     ("sft.demo_error_rate", 2.0), ("sft.demo_error_rate", -0.1),
@@ -155,7 +185,8 @@ def test_a_float_out_of_its_range_names_the_field(field, value):
 @pytest.mark.parametrize("field,value", [
     ("optimizer.b1", 0.0), ("optimizer.b2", 0.999), ("rollout.temperature", 0.0),
     ("rollout.threshold", 1.0), ("sft.demo_error_rate", 1.0), ("optimizer.end_lr_factor", 1.0),
-    ("estimator.prompt_mask_prob", 0.0),
+    ("estimator.prompt_mask_prob", 0.0), ("optimizer.eps", 1.0), ("optimizer.weight_decay", 1.0),
+    ("task.reward_timeout_s", 86400.0), ("rollout.temperature", 10.0),
 ])
 def test_the_ends_of_a_range_pass(field, value):
   specs.validate(quickstart(**{field: value}))
@@ -185,6 +216,152 @@ def test_a_seed_outside_32_bits_names_the_field(seed):
 def test_the_seeds_at_the_ends_pass():
   for seed in (0, 2**32 - 2):
     specs.validate(quickstart(seed=seed))
+
+
+# Integer fields where -1 means something: (field, why). Every other integer field refuses -1.
+MINUS_ONE_MEANS_SOMETHING = {
+    "mesh.data": "-1: the devices the other mesh axes leave (training/mesh.py)",
+    "mesh.fsdp": "-1: the devices the other mesh axes leave (the paper configs' FSDP axis)",
+    "mesh.tensor": "-1: the devices the other mesh axes leave",
+}
+HUGE = 10**12
+
+
+def test_every_integer_field_refuses_minus_one_and_a_huge_value_naming_it():
+  """rollout.steps=10**6 once ran 10**6 model calls a step, eval.steps=-1 failed at the first
+  evaluation: every integer field has a range, and 10**12 lies outside each (no field takes a
+  value that large legitimately)."""
+  fields = int_fields(config_lib.base_config())
+  assert {"seed", "rollout.steps", "eval.steps", "sft.demo_error_cells", "estimator.num_samples",
+          "mesh.data", "train.num_steps"} <= set(fields)  # The walk sees them.
+  assert set(MINUS_ONE_MEANS_SOMETHING) <= set(fields)
+  specs.validate(quickstart())
+  for field in fields:
+    updates = {}
+    if field.startswith("objective."):  # The objective of the section too: its own check.
+      updates["objective.name"] = field.split(".")[1]
+    for value in (-1, HUGE):
+      if value == -1 and field in MINUS_ONE_MEANS_SOMETHING:
+        continue
+      with pytest.raises(ValueError) as error:
+        specs.validate(quickstart(**updates, **{field: value}))
+      assert_names(error.value, field)
+      assert str(value) in str(error.value), error.value
+  # Where -1 means something, it passes (one mesh axis at a time).
+  for field in MINUS_ONE_MEANS_SOMETHING:
+    config = quickstart(**{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, field: -1})
+    specs.validate(config, num_devices=1)
+
+
+def test_every_integer_field_of_base_config_has_a_range():
+  """A new integer field needs a range in specs.INT_RANGES (or its objective's check)."""
+  hparams = {f"objective.{name}.{field}" for name, field in objective_int_hparams()}
+  unranged = [field for field in int_fields(config_lib.base_config())
+              if field not in specs.INT_RANGES and field not in hparams]
+  assert not unranged
+  assert not set(specs.INT_RANGES) - set(int_fields(config_lib.base_config()))
+  for field, bounds in specs.INT_RANGES.items():  # Bounded well below the walk's huge value.
+    assert bounds.high < HUGE and bounds.low <= bounds.high, field
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rollout.steps", None), ("seed", True), ("eval.batch_size", False), ("sft.batch_size", 0),
+    ("mesh.fsdp", 0), ("mesh.tensor", -2), ("train.num_iterations", 0),
+    ("checkpoint.every_steps", 0), ("task.reward_workers", 10**5),
+])
+def test_an_integer_out_of_its_range_names_the_field(field, value):
+  with pytest.raises(ValueError, match="must be an integer in") as error:
+    specs.validate(quickstart(**{field: value}))
+  assert_names(error.value, field)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("train.num_steps", 0), ("eval.every_steps", 0), ("eval.steps", 0), ("sft.num_steps", 0),
+    ("logging.samples_every_steps", 0), ("logging.num_samples", 0), ("task.reward_workers", 0),
+    ("rollout.microbatch_groups", 0), ("train.microbatch_groups", 0), ("mesh.dcn_data", 0),
+    ("sft.demo_error_cells", 0), ("optimizer.warmup_steps", 0), ("estimator.num_samples", None),
+])
+def test_zero_keeps_its_meaning(field, value):
+  """0 means off, never, every, all at once or the default where the code gives it that
+  meaning; an unset placeholder stays unset."""
+  specs.validate(quickstart(**{field: value}))
+
+
+@pytest.mark.parametrize("config_name,block", [("quickstart", 40), ("sdar_tiny_quickstart", 8)])
+def test_rollout_steps_beyond_the_completion_are_refused(config_name, block):
+  """One step per completion token at most: LLaDA's schedule runs every step (those beyond
+  reveal nothing); SDAR's steps split over its blocks, at most block_size each."""
+  config = config_lib.get(config_name)
+  assert config.rollout.gen_length == 40
+  config.rollout.steps = 40
+  specs.validate(config)  # One per token: the bound itself passes.
+  for steps in (80, 1_000_000):
+    config.rollout.steps = steps
+    with pytest.raises(ValueError, match=rf"{steps} exceeds rollout.gen_length=40") as error:
+      specs.validate(config)
+    assert_names(error.value, "rollout.steps")
+    assert f"={block} a block" in str(error.value), error.value
+  # A checkpoint's model config (its block size) is known once it is loaded; the bound over
+  # the completion is checked before.
+  config.model.checkpoint = "some/checkpoint"
+  with pytest.raises(ValueError, match="1000000 exceeds rollout.gen_length=40") as error:
+    specs.validate(config)
+  assert_names(error.value, "rollout.steps")
+
+
+def test_the_llada_sampler_refuses_steps_beyond_the_completion():
+  """The sampler's own check (``evaluate --steps``, any direct caller): not 10**6 model calls."""
+  from stabledrl_jax.models.llada import sampler  # pylint: disable=g-import-not-at-top
+  sampler.check_settings(gen_length=8, steps=8, block_length=4)
+  with pytest.raises(ValueError, match=r"steps \(16\) must be at most gen_length \(8\)"):
+    sampler.check_settings(gen_length=8, steps=16, block_length=4)
+  sampler.check_settings(gen_length=8, steps=16, block_length=4, remasking="threshold")  # Unused.
+
+
+def test_eval_steps_are_bounded_and_fit_the_family_sampler():
+  with pytest.raises(ValueError, match=r"must be an integer in \[0, ") as error:
+    specs.validate(quickstart(**{"eval.steps": -1}))
+  assert_names(error.value, "eval.steps")
+  with pytest.raises(ValueError, match="41 exceeds rollout.gen_length=40") as error:
+    specs.validate(quickstart(**{"eval.steps": 41}))
+  assert_names(error.value, "eval.steps")
+  # LLaDA splits the steps evenly over its blocks (5 of 8 here): 7 would fail at the first
+  # evaluation, after eval.every_steps RL steps.
+  blocks = {"rollout.block_length": 8}
+  specs.validate(quickstart(**blocks, **{"eval.steps": 10}))
+  with pytest.raises(ValueError, match=r"multiple of the number of blocks \(5\)") as error:
+    specs.validate(quickstart(**blocks, **{"eval.steps": 7}))
+  assert_names(error.value, "eval.steps")
+  specs.validate(quickstart(**blocks, **{"eval.steps": 7, "eval.every_steps": 0}))  # No eval.
+  sdar = config_lib.get("sdar_tiny_quickstart")  # SDAR's blocks take ceil(steps / blocks).
+  sdar.eval.steps = 7
+  specs.validate(sdar)
+  sdar.eval.steps = 41
+  with pytest.raises(ValueError, match="41 exceeds rollout.gen_length=40") as error:
+    specs.validate(sdar)
+  assert_names(error.value, "eval.steps")
+
+
+def test_demo_error_cells_beyond_a_sudoku_grid_are_refused():
+  """The imperfect demonstrator rewrites the first demo_error_cells blanks of a sudoku, which
+  has at most its grid's cells blank."""
+  cells = tasks.sudoku.NUM_CELLS
+  assert cells == 16
+  specs.validate(quickstart(**{"sft.demo_error_cells": cells}))
+  with pytest.raises(ValueError, match=rf"\[0, {cells}\] \(.*a 4x4 sudoku has {cells}\)"
+                     ) as error:
+    specs.validate(quickstart(**{"sft.demo_error_cells": cells + 1}))
+  assert_names(error.value, "sft.demo_error_cells")
+
+
+def test_counts_whose_product_or_relation_cannot_work_are_refused():
+  with pytest.raises(ValueError, match="more than optax counts") as error:
+    specs.validate(quickstart(**{"train.num_steps": 10**9, "train.num_iterations": 3}))
+  assert_names(error.value, "train.num_steps")
+  with pytest.raises(ValueError, match="no spike would ever be recorded") as error:
+    specs.validate(quickstart(**{"diagnostics.spike_min_history": 21}))
+  assert_names(error.value, "diagnostics.spike_min_history")
+  specs.validate(quickstart(**{"diagnostics.spike_min_history": 20}))
 
 
 def test_a_non_finite_number_anywhere_in_the_config_names_it():

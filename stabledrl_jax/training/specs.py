@@ -60,23 +60,26 @@ class _Range:
                      f"got {value!r}")
 
 
-_UNIT = _Range(0.0, 1.0)
-_NON_NEGATIVE = _Range(0.0)
-_POSITIVE = _Range(0.0, low_open=True)
 _RATE = _Range(0.0, 1.0, low_open=True, note="a learning rate")
 # The range of every float field of ``config_lib.base_config()`` outside the objective sections
 # (whose fields the objective's hyperparameter dataclass checks: ``objectives.Objective.
 # make_hparams``); tests/test_validation.py holds base_config() to it. None values (an unset
 # placeholder) are not checked here.
 FLOAT_RANGES: dict[str, _Range] = {
-    "rollout.temperature": _Range(0.0, note="0: greedy"),
+    "rollout.temperature": _Range(0.0, 10.0, note="0: greedy; far above 1 the rollouts are "
+                                  "close to uniform noise"),
     "rollout.threshold": _Range(0.0, 1.0, low_open=True, note="a confidence"),
     "optimizer.learning_rate": _RATE,
     "optimizer.b1": _Range(0.0, 1.0, high_open=True, note="Adam's first-moment decay"),
     "optimizer.b2": _Range(0.0, 1.0, high_open=True, note="Adam's second-moment decay"),
-    "optimizer.eps": _POSITIVE,
-    "optimizer.weight_decay": _NON_NEGATIVE,
-    "optimizer.grad_clip": _Range(0.0, note="0: off"),
+    # eps is added to Adam's sqrt(v), which is about the size of a gradient entry: above 1 every
+    # update is about lr x g / eps (1e300: 0, with an overflow warning).
+    "optimizer.eps": _Range(0.0, 1.0, low_open=True, note="added to Adam's denominator; above "
+                            "1 it shrinks every update towards 0"),
+    # Decoupled: each update multiplies the weights by 1 - lr x weight_decay.
+    "optimizer.weight_decay": _Range(0.0, 1.0, note="decoupled: each update shrinks the weights "
+                                     "by learning_rate x weight_decay"),
+    "optimizer.grad_clip": _Range(0.0, 1e9, note="0: off"),
     "optimizer.end_lr_factor": _Range(0.0, 1.0, note="the final fraction of the learning rate"),
     "sft.learning_rate": _RATE,
     "sft.demo_error_rate": _Range(0.0, 1.0, note="a probability"),
@@ -84,14 +87,99 @@ FLOAT_RANGES: dict[str, _Range] = {
     "estimator.stress.fraction": _Range(0.0, 1.0, note="0: off"),
     "estimator.stress.easy_rate": _Range(0.0, 1.0, low_open=True),
     "estimator.stress.hard_rate": _Range(0.0, 1.0, low_open=True),
-    "checkpoint.every_seconds": _Range(0.0, note="0: off"),
-    "task.reward_timeout_s": _POSITIVE,
-    "logging.peak_tflops_per_device": _Range(0.0, note="0: the device kind's"),
-    "diagnostics.spike_factor": _Range(0.0, note="0: record non-finite steps only"),
+    "checkpoint.every_seconds": _Range(0.0, 1e9, note="0: off; 1e9 s is 30 years"),
+    # A timer's wait: at most a day (threading.TIMEOUT_MAX is about 9.2e9 s).
+    "train.stop_grace_s": _Range(0.0, 86400.0, note="0: a SIGTERM waits for the step boundary "
+                                 "however long"),
+    # A wait longer than threading.TIMEOUT_MAX (about 9.2e9 s) raises OverflowError mid-run.
+    "task.reward_timeout_s": _Range(0.0, 86400.0, low_open=True, note="seconds per answer, at "
+                                    "most a day"),
+    "logging.peak_tflops_per_device": _Range(0.0, 1e6, note="0: the device kind's"),
+    "diagnostics.spike_factor": _Range(0.0, 1e6, note="0: record non-finite steps only"),
 }
 # seed + 1 seeds the evaluation data, and jax.random.key keeps 32 bits of a seed (2**32 would
 # silently be seed 0).
 _MAX_SEED = 2**32 - 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _IntRange:
+  """The interval [low, high] an integer field must lie in (a bool or a float is no integer).
+
+  ``also``: values outside it that mean something (a mesh axis's -1); ``unset_ok``: None is an
+  unset placeholder (left to the objective's official value).
+  """
+
+  low: int
+  high: int
+  also: tuple[int, ...] = ()
+  unset_ok: bool = False
+  note: str = ""
+
+  def check(self, field: str, value: Any) -> None:
+    if value is None and self.unset_ok:
+      return
+    if (isinstance(value, int) and not isinstance(value, bool)
+        and (self.low <= value <= self.high or value in self.also)):
+      return
+    also = "".join(f" or {v}" for v in self.also)
+    note = f" ({self.note})" if self.note else ""
+    raise ValueError(f"config.{field}: must be an integer in [{self.low}, {self.high}]{also}"
+                     f"{note}, got {value!r}")
+
+
+# Counts of steps, updates or checkpoints: far beyond any run, and within int32 for jit.
+_MAX_COUNT = 10**9
+# Sizes (rows, tokens, examples, devices): what an int32 index holds.
+_MAX_SIZE = 2**31 - 1
+# The range of every integer field of ``config_lib.base_config()`` (tests/test_validation.py
+# holds base_config() to it). 0 keeps the meaning the code gives it where it has one; the
+# relations between fields (steps at most gen_length, ...) are checked by the sections below.
+INT_RANGES: dict[str, _IntRange] = {
+    "seed": _IntRange(0, _MAX_SEED, note="the PRNG key takes 32 bits"),
+    "rollout.num_prompts": _IntRange(1, _MAX_SIZE),
+    "rollout.group_size": _IntRange(1, _MAX_SIZE),  # >= 2: _validate_objective says why.
+    "rollout.prompt_length": _IntRange(1, _MAX_SIZE, note="tokens"),
+    "rollout.gen_length": _IntRange(1, _MAX_SIZE, note="tokens"),
+    "rollout.steps": _IntRange(1, _MAX_COUNT, note="at most rollout.gen_length"),
+    "rollout.block_length": _IntRange(1, _MAX_SIZE, note="tokens"),
+    "rollout.microbatch_groups": _IntRange(0, _MAX_SIZE, note="0: all at once"),
+    "estimator.num_samples": _IntRange(1, _MAX_SIZE, unset_ok=True),
+    "estimator.block_length": _IntRange(1, _MAX_SIZE, unset_ok=True, note="tokens"),
+    "optimizer.warmup_steps": _IntRange(0, _MAX_COUNT, note="optimizer updates; 0: none"),
+    "train.num_steps": _IntRange(0, _MAX_COUNT),
+    "train.num_iterations": _IntRange(1, _MAX_COUNT),
+    "train.microbatch_groups": _IntRange(0, _MAX_SIZE, note="0: the whole batch at once"),
+    "train.max_consecutive_skips": _IntRange(1, _MAX_COUNT),
+    "eval.every_steps": _IntRange(0, _MAX_COUNT, note="0: never"),
+    "eval.batch_size": _IntRange(1, _MAX_SIZE, note="prompts per sampler call"),
+    "eval.steps": _IntRange(0, _MAX_COUNT, note="0: gen_length / 2; at most rollout.gen_length"),
+    "logging.samples_every_steps": _IntRange(0, _MAX_COUNT, note="0: never"),
+    # More than a step's rollouts logs them all (tests/test_logging.py logs a batch so).
+    "logging.num_samples": _IntRange(0, _MAX_SIZE),
+    "diagnostics.spike_window": _IntRange(1, _MAX_COUNT),
+    "diagnostics.spike_min_history": _IntRange(1, _MAX_COUNT,
+                                               note="at most diagnostics.spike_window"),
+    "checkpoint.every_steps": _IntRange(1, _MAX_COUNT),
+    "checkpoint.max_to_keep": _IntRange(1, _MAX_COUNT),
+    "mesh.data": _IntRange(1, _MAX_SIZE, also=(-1,), note="-1: the devices the others leave"),
+    "mesh.fsdp": _IntRange(1, _MAX_SIZE, also=(-1,), note="-1: the devices the others leave"),
+    "mesh.tensor": _IntRange(1, _MAX_SIZE, also=(-1,), note="-1: the devices the others leave"),
+    "mesh.dcn_data": _IntRange(0, _MAX_SIZE, note="slices; 0 or 1: one"),
+    "data.train_size": _IntRange(0, _MAX_SIZE, note="0: the whole dataset"),
+    "data.eval_size": _IntRange(0, _MAX_SIZE, note="0: the whole dataset"),
+    # Worker processes on each host: far more than any host's cores.
+    "task.reward_workers": _IntRange(0, 4096, note="0: in this process"),
+    "sft.num_steps": _IntRange(0, _MAX_COUNT, note="0: no supervised start"),
+    "sft.batch_size": _IntRange(1, _MAX_SIZE),
+    # The imperfect demonstrator (data.noisy_demonstration) rewrites the first demo_error_cells
+    # blank cells of a sudoku: never more than the grid's cells.
+    "sft.demo_error_cells": _IntRange(0, tasks.sudoku.NUM_CELLS,
+                                      note=f"blank cells rewritten; a {tasks.sudoku.SIZE}x"
+                                      f"{tasks.sudoku.SIZE} sudoku has {tasks.sudoku.NUM_CELLS}"),
+}
+# optax counts optimizer updates (train.num_steps x train.num_iterations) in int32.
+_MAX_UPDATES = 2**31 - 1
 
 
 def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -108,22 +196,26 @@ def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def _numbers(config: ml_collections.ConfigDict) -> None:
   """Every number anywhere in the config is finite, then each float field of ``FLOAT_RANGES``
-  lies in its range: one NaN optimizer or clip setting poisons every update."""
+  and each integer field of ``INT_RANGES`` lies in its range: one NaN optimizer or clip setting
+  poisons every update, and one huge count never ends a step."""
   for field, value in _leaves(config):
     if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f"config.{field}: must be a finite number, got {value!r}")
   for field, bounds in FLOAT_RANGES.items():
-    section, _, name = field.rpartition(".")
-    holder = config
-    for part in section.split("."):
-      holder = holder.get(part) if holder is not None else None
-    value = holder.get(name) if holder is not None else None
+    value = _field_value(config, field)
     if value is not None:
       bounds.check(field, value)
-  seed = config.get("seed")
-  _require(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= _MAX_SEED,
-           "seed", f"must be an integer in [0, {_MAX_SEED}] (the PRNG key takes 32 bits), "
-           f"got {seed!r}")
+  for field, int_bounds in INT_RANGES.items():
+    int_bounds.check(field, _field_value(config, field))
+
+
+def _field_value(config: ml_collections.ConfigDict, field: str) -> Any:
+  """The value of the dotted ``field`` (None where it or a section above it is missing)."""
+  holder = config
+  *sections, name = field.split(".")
+  for part in sections:
+    holder = holder.get(part) if holder is not None else None
+  return holder.get(name) if holder is not None else None
 
 
 def _importable(module: str) -> bool:
@@ -276,17 +368,37 @@ def _validate_rollout(config: ml_collections.ConfigDict, family: family_lib.Fami
                       named: Any) -> None:
   """The rollout shapes, the layout ``named`` (the model config, unless a checkpoint gives it
   later) decodes, and the family's remasking rules and caches."""
-  r = config.rollout
-  for field in ("num_prompts", "group_size", "prompt_length", "gen_length", "steps",
-                "block_length"):
-    _require(isinstance(r[field], int) and r[field] > 0, f"rollout.{field}",
-             f"must be a positive integer, got {r[field]!r}")
+  r = config.rollout  # Each size a positive integer: INT_RANGES.
   if named is not None:  # A checkpoint's layout is checked when it is loaded.
-    family.check_rollout(r, named)
+    family.check_rollout(r, named)  # Its steps bound among its rules.
+  else:  # Every family's steps count denoising steps over the whole completion.
+    _require(r.steps <= r.gen_length, "rollout.steps",
+             f"{r.steps} exceeds rollout.gen_length={r.gen_length}: at most one denoising step "
+             "per completion token (every step reveals at least one)")
+  _validate_eval_steps(config, named)
   _require(r.remasking in family.remasking, "rollout.remasking",
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(r.get("cache", "none") in family.caches, "rollout.cache",
            f"{r.get('cache')!r} is not one of {family.caches} (model.family={family.name!r})")
+
+
+def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
+  """eval.steps (0: ``decoding.default_steps``) counts denoising steps over the completion, as
+  rollout.steps does; where the model config is known (``named``) and the run evaluates, its
+  family's sampler takes the evaluation's decoding (LLaDA: a multiple of the blocks)."""
+  steps, gen_length = config.eval.steps, config.rollout.gen_length
+  _require(steps <= gen_length, "eval.steps",
+           f"{steps} exceeds rollout.gen_length={gen_length}: at most one denoising step per "
+           "completion token (0: gen_length / 2)")
+  if named is None or not config.eval.every_steps:
+    return
+  from stabledrl_jax.training import decoding  # pylint: disable=g-import-not-at-top
+  settings = decoding.Decoding.of_eval(config)
+  try:
+    settings.check(named)
+  except ValueError as err:
+    raise ValueError(f"config.eval.steps: the evaluation's decoding at {settings.steps} steps "
+                     f"(0: gen_length / 2): {err}") from None
 
 
 def _validate_objective(config: ml_collections.ConfigDict, family: family_lib.Family) -> None:
@@ -310,44 +422,32 @@ def _validate_objective(config: ml_collections.ConfigDict, family: family_lib.Fa
 def _validate_schedule(config: ml_collections.ConfigDict) -> None:
   """The optimizer, the training loop, checkpoints, rewards and evaluation."""
   r, name = config.rollout, config.objective.name
-  o = config.optimizer
-  _require(isinstance(o.warmup_steps, int) and o.warmup_steps >= 0, "optimizer.warmup_steps",
-           f"must be an integer >= 0, got {o.warmup_steps!r}")
+  o = config.optimizer  # The counts' ranges: INT_RANGES.
   _require(o.schedule in ("linear", "constant"), "optimizer.schedule",
            f"{o.schedule!r} is not 'linear' or 'constant'")
   t = config.train
-  _require(t.num_steps >= 0, "train.num_steps", "must be >= 0")
-  _require(t.num_iterations >= 1, "train.num_iterations", "must be >= 1")
-  _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
-  _require(t.microbatch_groups >= 0, "train.microbatch_groups", "must be >= 0")
+  _require(t.num_steps * t.num_iterations <= _MAX_UPDATES, "train.num_steps",
+           f"{t.num_steps} RL steps x train.num_iterations={t.num_iterations} = "
+           f"{t.num_steps * t.num_iterations} optimizer updates, more than optax counts "
+           f"(int32: at most {_MAX_UPDATES})")
   _require(not t.gradient_bound or objectives.get_objective(name).surrogate is not None,
            "train.gradient_bound",
            f"the convex-hull bound needs a registered surrogate; {name!r} has none")
   if t.microbatch_groups:
     _require(r.num_prompts % t.microbatch_groups == 0, "train.microbatch_groups",
              f"{t.microbatch_groups} does not divide rollout.num_prompts={r.num_prompts}")
-  _require(config.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
-  _require(config.task.reward_workers >= 0, "task.reward_workers", "must be >= 0 (0: in process)")
-  _require(config.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
-  _require(config.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: never)")
-  _require(config.eval.batch_size >= 1, "eval.batch_size",
-           f"must be >= 1 (prompts per sampler call), got {config.eval.batch_size}")
 
 
 def _validate_data(config: ml_collections.ConfigDict) -> None:
   """Dataset sizes, the supervised start, the task's reward and prompts, the model source."""
   r = config.rollout
-  for split in ("train", "eval"):
+  for split in ("train", "eval"):  # Sizes in INT_RANGES.
     size = config.data[f"{split}_size"]
-    _require(isinstance(size, int) and size >= 0, f"data.{split}_size",
-             f"must be an integer >= 0, got {size!r}")
     _require(size > 0 or config.data[split] != "synthetic", f"data.{split}_size",
              "0 means the whole dataset, but a synthetic generator has none: give a size")
   _require(config.data.train_size == 0 or config.data.train_size >= r.num_prompts,
            "data.train_size", f"{config.data.train_size} examples cannot fill one batch of "
            f"rollout.num_prompts={r.num_prompts}")
-  if config.sft.num_steps:
-    _require(config.sft.batch_size >= 1, "sft.batch_size", "must be >= 1")
   _require(config.task.reward in tasks.REWARD_SCHEMES, "task.reward",
            f"{config.task.reward!r} is not one of {tasks.REWARD_SCHEMES}")
   style = config.task.get("prompt_style", tasks.DEFAULT_PROMPT_STYLE)
@@ -371,17 +471,14 @@ def _validate_data(config: ml_collections.ConfigDict) -> None:
 
 def _validate_logging(config: ml_collections.ConfigDict) -> None:
   """Logging, diagnostics and the tokenizer's kind."""
-  lg = config.logging
-  for field in ("samples_every_steps", "num_samples"):
-    _require(isinstance(lg[field], int) and lg[field] >= 0, f"logging.{field}",
-             f"must be an integer >= 0, got {lg[field]!r}")
+  lg = config.logging  # Its counts' ranges: INT_RANGES.
   _require(not lg.wandb.project or _importable("wandb"),
            "logging.wandb.project", f"{lg.wandb.project!r} is set, but the `wandb` package is "
            "not installed: pip install wandb (or unset the project)")
   dg = config.diagnostics
-  for field in ("spike_window", "spike_min_history"):
-    _require(isinstance(dg[field], int) and dg[field] >= 1, f"diagnostics.{field}",
-             f"must be an integer >= 1, got {dg[field]!r}")
+  _require(dg.spike_min_history <= dg.spike_window, "diagnostics.spike_min_history",
+           f"{dg.spike_min_history} exceeds diagnostics.spike_window={dg.spike_window}: the "
+           "window never holds that many steps, so no spike would ever be recorded")
   kinds = ("char",) + family_lib.names()
   _require(config.tokenizer.kind in kinds, "tokenizer.kind",
            f"{config.tokenizer.kind!r} is not one of {kinds} ('char' or a model family)")

@@ -59,12 +59,19 @@ def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array,
 
 
 def check_rollout(rollout: Any, config: ModelConfig) -> None:
-  """Semi-autoregressive decoding: whole blocks of ``block_length``, steps split evenly."""
+  """Semi-autoregressive decoding: whole blocks of ``block_length``, steps split evenly, at most
+  one per token (``sampler.check_settings``: a step beyond reveals nothing, yet calls the
+  model)."""
   del config
   if rollout.gen_length % rollout.block_length:
     raise ValueError(f"config.rollout.gen_length: {rollout.gen_length} is not a multiple of "
                      f"rollout.block_length={rollout.block_length}")
   num_blocks = rollout.gen_length // rollout.block_length
+  if rollout.steps > rollout.gen_length:
+    raise ValueError(f"config.rollout.steps: {rollout.steps} exceeds rollout.gen_length="
+                     f"{rollout.gen_length}: at most one denoising step per completion token "
+                     f"(rollout.block_length={rollout.block_length} a block); a step beyond "
+                     "reveals nothing, yet calls the model")
   if rollout.steps % num_blocks:
     raise ValueError(f"config.rollout.steps: {rollout.steps} is not a multiple of the number "
                      f"of blocks ({num_blocks})")

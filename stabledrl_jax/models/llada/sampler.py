@@ -364,7 +364,8 @@ def check_settings(*, gen_length: int, steps: int, block_length: int, temperatur
                    cfg_scale: float = 0.0, cache: str = "none") -> None:
   """Raises ValueError unless `generate` accepts these options (cheap: nothing is compiled).
 
-  Threshold decoding does not use `steps`.
+  Threshold decoding does not use `steps`; the schedule takes at most one step per token (a
+  step beyond reveals nothing, yet calls the model).
   """
   if remasking not in REMASKING:
     raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
@@ -377,6 +378,9 @@ def check_settings(*, gen_length: int, steps: int, block_length: int, temperatur
     raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length "
                      f"({block_length})")
   num_blocks = gen_length // block_length
+  if not dynamic and steps > gen_length:
+    raise ValueError(f"steps ({steps}) must be at most gen_length ({gen_length}): one step per "
+                     "token at most (the steps beyond reveal nothing, yet each calls the model)")
   if not dynamic and steps % num_blocks:
     raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks})")
   if dynamic and not 0.0 <= threshold <= 1.0:

@@ -76,7 +76,8 @@ def check_rollout(rollout: Any, config: SDARConfig) -> None:
 
   The left-padded prompt and the completion must fill whole blocks (so that the sampler and the
   block estimators see the same blocks, and no block mixes prompt and completion), and
-  ``rollout.steps`` must split evenly over the completion's blocks.
+  ``rollout.steps`` must split evenly over the completion's blocks, at most ``block_size`` a
+  block (one per token: each step reveals at least one).
   """
   size = config.block_size
   for field in ("prompt_length", "gen_length"):
@@ -86,6 +87,11 @@ def check_rollout(rollout: Any, config: SDARConfig) -> None:
                        f"block_size={size} (SDAR blocks are fixed by absolute position: prompt "
                        "and completion must fill whole blocks)")
   num_blocks = rollout.gen_length // size
+  if rollout.steps > rollout.gen_length:
+    raise ValueError(f"config.rollout.steps: {rollout.steps} exceeds rollout.gen_length="
+                     f"{rollout.gen_length}: the steps split over the {num_blocks} completion "
+                     f"blocks, at most one per token, so at most the model's block_size={size} "
+                     "a block")
   if rollout.steps % num_blocks:
     raise ValueError(f"config.rollout.steps: {rollout.steps} is not a multiple of the number of "
                      f"completion blocks ({num_blocks} of the model's block_size={size})")
