@@ -204,7 +204,8 @@ def test_memory_plan_shards_the_train_step_over_fake_devices(tmp_path, family):
   done = run_script("memory_plan.py", f"--output={out}", "--model=tiny", f"--family={family}",
                     "--meshes=data=1;fsdp=8",
                     "--remat=false", "--microbatch_groups=1", "--set=rollout.prompt_length=32",
-                    "--set=rollout.gen_length=64", "--set=train.num_steps=1",
+                    "--set=rollout.gen_length=64", "--set=rollout.steps=64",
+                    "--set=train.num_steps=1",
                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   assert "deprecated" in done.stderr and "stabledrl_jax.plan" in done.stderr
   rows = json.loads(out.read_text())["rows"]
@@ -229,7 +230,7 @@ def test_memory_plan_of_the_cached_sampler(tmp_path):
   out = tmp_path / "plan.json"
   run_script("memory_plan.py", f"--output={out}", "--model=tiny", "--sampler",
              "--meshes=data=1;fsdp=8", "--set=rollout.prompt_length=32",
-             "--set=rollout.gen_length=64", "--set=train.num_steps=1",
+             "--set=rollout.gen_length=64", "--set=rollout.steps=64", "--set=train.num_steps=1",
              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   rows = json.loads(out.read_text())["rows"]
   assert [(r["topology"], r["settings"]["rollout.cache"]) for r in rows] == [
