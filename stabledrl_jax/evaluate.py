@@ -45,7 +45,7 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import hub, models, scoring, tasks
+from stabledrl_jax import hub, models, scoring, tasks, workdir_files
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models.llada import sampler as llada_sampler
@@ -268,7 +268,7 @@ def generate_shards(model: Any, tokenizer, task: tasks.Task,
     The paths of this host's shards, finished now or before.
   """
   _check_sizes(batch_size, shard_size)
-  os.makedirs(output_dir, exist_ok=True)
+  workdir_files.make_dir(output_dir)
   # Every shard pads to the task's longest prompt: one compiled shape for the whole set, and the
   # same on every host.
   tokens, mask = styled_prompts(tokenizer, task, examples, style)
@@ -374,17 +374,6 @@ def data_sources(pairs: Sequence[str], names: Sequence[str]) -> dict[str, str]:
   return sources
 
 
-def _check_writable(directory: str, flag: str) -> None:
-  """ValueError naming ``flag`` unless ``directory`` can be created and written (nothing is
-  created: the nearest existing ancestor must be a writable directory)."""
-  path = pathlib.Path(os.path.abspath(directory))
-  ancestor = next(p for p in (path, *path.parents) if p.exists())
-  if not ancestor.is_dir():
-    raise ValueError(f"{flag} {directory!r} is not writable: {ancestor} is not a directory")
-  if not os.access(ancestor, os.W_OK | os.X_OK):
-    raise ValueError(f"{flag} {directory!r} is not writable: no write permission on {ancestor}")
-
-
 def _check_decoding(settings: Sequence[SamplerSettings], model_config: Any, where: str) -> None:
   """Raises ValueError, naming the checkpoint and its family, unless its sampler takes every
   setting (``Decoding.check``)."""
@@ -426,9 +415,9 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
     raise ValueError(f"model name {options.model_name!r} may hold only letters, digits, '.' "
                      "and '-' (its fields are split on '_')")
   if multihost.is_primary():  # Before any decoding: a run must not end unable to write.
-    _check_writable(options.output_dir, "--output_dir")
+    workdir_files.check_writable(options.output_dir, "--output_dir")
     if options.output:
-      _check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
+      workdir_files.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
   try:
     mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES,
                                                                  options.mesh))),
@@ -610,7 +599,8 @@ def main(argv: Sequence[str]) -> None:
   try:
     multihost.initialize_from_flags(force=flags.FLAGS.distributed)
     run(options_from_flags())
-  except (ValueError, FileNotFoundError, NotImplementedError, ImportError, KeyError) as error:
+  except (ValueError, FileNotFoundError, NotImplementedError, ImportError, KeyError,
+          workdir_files.WorkdirError) as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(1)
 

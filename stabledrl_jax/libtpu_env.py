@@ -2,10 +2,11 @@
 
 With libtpu installed (the ``tpu`` and ``test`` extras), JAX tries the TPU backend in every
 process, and libtpu, finding no TPU metadata, prints warnings about TPU_ACCELERATOR_TYPE and
-TPU_WORKER_HOSTNAMES on every start, and takes a machine-wide lock file
-(/tmp/libtpu_lockfile) and a log directory (/tmp/tpu_logs/), so that a second JAX process at the same time cannot use libtpu at all
-(ahead-of-time compilation for a TPU topology, `stabledrl_jax.tpu_compile`, fails with
-"Internal error when accessing libtpu multi-process lockfile"). Where no TPU chip is attached,
+TPU_WORKER_HOSTNAMES on every start, writes a log directory (/tmp/tpu_logs/) and log files
+(/tmp/tpu_driver.*), and takes a machine-wide lock file (/tmp/libtpu_lockfile), so that a second
+JAX process at the same time cannot use libtpu at all (ahead-of-time compilation for a TPU
+topology, `stabledrl_jax.tpu_compile`, fails with "Internal error when accessing libtpu
+multi-process lockfile"). Where no TPU chip is attached,
 `quiet_without_tpu` sets (unless already set) the variables that answer libtpu's questions for a
 one-host, compile-only use and allow several processes to load it. On a TPU host it sets nothing.
 It must run before JAX initializes its backends; `stabledrl_jax/__init__.py` calls it.
@@ -25,6 +26,10 @@ QUIET_ENV = {
     "TPU_HOST_BOUNDS": "1,1,1",
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # no chip to guard: no lock file
     "TPU_LOG_DIR": "disabled",  # no /tmp/tpu_logs/ from a process that runs on no TPU
+    # libtpu's driver logs through glog into $TMPDIR (tpu_driver.*.INFO / .WARNING, two files a
+    # process, even with TPU_LOG_DIR disabled); at FATAL only it opens none. Compile errors and
+    # out-of-memory still come back as Python exceptions.
+    "TPU_MIN_LOG_LEVEL": "3",
 }
 
 

@@ -57,13 +57,12 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
 from absl import app, flags, logging
 
-from stabledrl_jax import cli_flags
+from stabledrl_jax import cli_flags, workdir_files
 
 _CONFIG = cli_flags.CONFIG
 _TOPOLOGY = flags.DEFINE_string(
@@ -86,11 +85,13 @@ _COMPILER = flags.DEFINE_enum("compiler", "auto", ["auto", "tpu", "cpu"],
                               "tpu: libtpu; cpu: XLA:CPU on fake devices (an upper bound); "
                               "auto: tpu where libtpu is installed.")
 _MAX_LADDER = flags.DEFINE_integer("max_ladder", 4, "At most this many extra compiles per row "
-                                   "that does not fit (0: no recommendation).")
+                                   "that does not fit (0: no recommendation).", lower_bound=0,
+                                   upper_bound=64)
 _MFU = flags.DEFINE_float("mfu", 0.4, "Model-FLOPs utilization of the time projections.")
 _RECOMMEND = flags.DEFINE_bool("recommend", True, "Search settings that fit.")
 _CHIP_GB = flags.DEFINE_float("chip_gb", 0.0, "One chip's memory in GB (1e9 bytes) instead of its "
-                              "HBM (for cpu:N topologies: default 80).")
+                              "HBM (for cpu:N topologies: default 80).", lower_bound=0.0,
+                              upper_bound=1e6)
 _VERBOSE = cli_flags.VERBOSE
 
 WHATS = ("train", "sampler", "evaluate")
@@ -561,15 +562,13 @@ class Store:
   def write(self) -> None:
     if not self.path:
       return
-    directory = os.path.dirname(os.path.abspath(self.path))
-    os.makedirs(directory, exist_ok=True)
     data = dict(rows=list(self.rows.values()), pending=list(self.pending.values()),
                 projections=list(self.projections.values()))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-      json.dump(data, f, indent=1)
-      f.write("\n")
-    os.replace(tmp, self.path)
+    workdir_files.make_dir(os.path.dirname(os.path.abspath(self.path)))
+    try:
+      workdir_files.write_text(self.path, json.dumps(data, indent=1) + "\n")
+    except workdir_files.WorkdirError as error:
+      raise workdir_files.WorkdirError(f"--output: {error}") from None
 
 
 # ---- time projections --------------------------------------------------------------------------
@@ -705,8 +704,10 @@ def _write_markdown(path: str, data: dict[str, Any]) -> None:
   if path == "-":
     sys.stdout.write(text)
   else:
-    with open(path, "w") as f:
-      f.write(text)
+    try:
+      workdir_files.write_text(path, text)
+    except workdir_files.WorkdirError as error:
+      raise workdir_files.WorkdirError(f"--markdown: {error}") from None
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -760,8 +761,13 @@ def run_plan() -> None:
   if not topologies:
     raise ValueError("--topology: give at least one slice (v5litepod-4, v5p-8, v5e:8x8, ...)")
   names = [topology_name(t) for t in topologies]
-  if _MFU.value <= 0 or _MFU.value > 1:
+  if not 0 < _MFU.value <= 1:
     raise ValueError(f"--mfu must be in (0, 1], got {_MFU.value}")
+  for flag, path in (("--output", _OUTPUT.value), ("--markdown", _MARKDOWN.value)):
+    if path and path != "-":  # Before any compile: a sweep must not end unable to write.
+      workdir_files.check_writable(os.path.dirname(os.path.abspath(path)), flag)
+      if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; name a file")
   compiler = resolve_compiler(_COMPILER.value)
   if compiler == "cpu" and not _DRY_RUN.value:
     prepare_cpu_devices(cpu_devices_needed(names))

@@ -25,7 +25,7 @@ import stat
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
-from stabledrl_jax import tasks
+from stabledrl_jax import input_files, tasks, workdir_files
 
 _GENERATION_FILE = re.compile(r"(?P<setup>.+)_(?P<shard>\d+)_generations\.json")
 
@@ -129,15 +129,6 @@ def setup_records(directory: str | pathlib.Path, task_name: str) -> list[dict[st
 MAX_GENERATION_FILE_BYTES = 1 << 30
 
 
-def _file_kind(mode: int) -> str:
-  for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                     (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                     (stat.S_ISSOCK, "a socket")):
-    if test(mode):
-      return kind
-  return "not a regular file"
-
-
 def _read_regular_file(path: pathlib.Path) -> str:
   """The UTF-8 text of a regular file; ValueError naming it for anything else.
 
@@ -150,7 +141,7 @@ def _read_regular_file(path: pathlib.Path) -> str:
   except OSError as error:
     raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
   if not stat.S_ISREG(info.st_mode):
-    raise ValueError(f"{path}: {_file_kind(info.st_mode)}, not a regular file")
+    raise ValueError(f"{path}: {input_files.kind_of(info.st_mode)}, not a regular file")
   if info.st_size > MAX_GENERATION_FILE_BYTES:
     raise ValueError(f"{path}: {info.st_size} bytes, over the {MAX_GENERATION_FILE_BYTES} of "
                      "a generation file")
@@ -159,7 +150,7 @@ def _read_regular_file(path: pathlib.Path) -> str:
     with os.fdopen(descriptor, "rb") as file:
       mode = os.fstat(file.fileno()).st_mode
       if not stat.S_ISREG(mode):
-        raise ValueError(f"{path}: {_file_kind(mode)}, not a regular file")
+        raise ValueError(f"{path}: {input_files.kind_of(mode)}, not a regular file")
       data = file.read(MAX_GENERATION_FILE_BYTES + 1)
   except OSError as error:
     raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
@@ -194,6 +185,8 @@ def read_generation_file(path: str | pathlib.Path) -> list[dict[str, Any]]:
     raise ValueError(f"{path}: not a readable JSON file ({error})") from None
   except RecursionError:
     raise ValueError(f"{path}: JSON nested too deeply to parse") from None
+  except ValueError as error:  # A number past Python's digit limit for int().
+    raise ValueError(f"{path}: not a readable JSON file ({error})") from None
   records = data.get("generations") if isinstance(data, dict) else None
   if not isinstance(records, list):
     raise ValueError(f'{path}: expected {{"generations": [records]}}, got '
@@ -251,7 +244,9 @@ def score_generation_files(paths: Sequence[str | pathlib.Path],
           raise ValueError(f"{path}: generations[{i}] cannot be scored as {task.name} "
                            f"({type(error).__name__}: {error})") from None
     except ValueError as error:
-      _problem(skipped, error)
+      message = str(error)  # Every skip names its file.
+      _problem(skipped, error if message.startswith(str(path))
+               else ValueError(f"{path}: {message}"))
       continue
     total = results.setdefault(setup, SetupResult())
     total.correct += file_result.correct
@@ -285,13 +280,10 @@ def write_generations(path: str | pathlib.Path, examples: Sequence[tasks.Example
   records = [{"question": example.question, "generations": completion,
               "ground_truth": example.ground_truth}
              for example, completion in zip(examples, completions)]
-  path = pathlib.Path(path)
-  # Written aside and renamed: a killed writer leaves no torn file that a reader would score or
-  # a resumed run would take for finished. The temporary name does not match *_generations.json.
-  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  temporary.write_text(json.dumps({"generations": records, **metadata}, indent=2),
-                       encoding="utf-8")
-  os.replace(temporary, path)
+  # Written aside and renamed (workdir_files): a killed writer leaves no torn file that a reader
+  # would score or a resumed run would take for finished, and a link at `path` is replaced, not
+  # followed. The staging name does not match *_generations.json.
+  workdir_files.write_text(path, json.dumps({"generations": records, **metadata}, indent=2))
 
 
 def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | None = None
@@ -318,8 +310,7 @@ def report(paths: Sequence[str | pathlib.Path], output: str | pathlib.Path | Non
                                                         if skipped else ""))
   print(format_table(results))
   if output:
-    pathlib.Path(output).write_text(json.dumps(results_as_json(results), indent=2) + "\n",
-                                    encoding="utf-8")
+    workdir_files.write_text(output, json.dumps(results_as_json(results), indent=2) + "\n")
   return results
 
 
@@ -333,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     report(args.paths, args.output)
-  except (OSError, ValueError, KeyError) as error:
+  except (OSError, ValueError, KeyError, workdir_files.WorkdirError) as error:
     parser.error(str(error))
   return 0
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from stabledrl_jax import hub
+from stabledrl_jax import hub, input_files
 
 # ---------------------------------------------------------------------------
 # Batching shared by both tokenizers.
@@ -227,8 +227,11 @@ class HFTokenizer(_BatchMixin):
     path = pathlib.Path(hub.local_path(str(path), files=hub.TOKENIZER_FILES))
     if path.is_dir():
       path = path / "tokenizer.json"
-    if not path.is_file():
-      raise FileNotFoundError(f"no tokenizer file at {path}")
+    reason = input_files.problem(path, allow_empty=True)
+    if reason is not None:  # Missing, a FIFO (never opened), unreadable.
+      raise FileNotFoundError(f"no tokenizer file at {path} ({reason})")
+    if path.stat().st_size == 0:
+      raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json: empty")
     try:
       tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # pylint: disable=broad-except  (the Rust parser's plain Exception)

@@ -231,6 +231,28 @@ def remove_staging(directory: epath.PathLike) -> None:
       _remove(os.path.join(directory, name))
 
 
+def check_writable(directory: str, flag: str) -> None:
+  """``ValueError`` naming ``flag`` unless files can be written in ``directory``: it, or its
+  nearest existing ancestor (nothing is created but a probe file, removed at once), must be a
+  directory that takes a new file. Run before long work, so that it cannot end unable to write.
+  A remote directory is not probed."""
+  if not is_local(directory):
+    return
+  path = os.path.abspath(directory or ".")
+  ancestor = path
+  while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    raise ValueError(f"{flag} {directory!r} is not writable: {ancestor} is not a directory")
+  try:
+    fd, probe = tempfile.mkstemp(dir=ancestor, prefix=f"{STAGING_PREFIX}probe.")
+  except OSError as error:
+    raise ValueError(f"{flag} {directory!r} is not writable: {ancestor}: "
+                     f"{reason_of(error)}") from None
+  os.close(fd)
+  os.unlink(probe)
+
+
 def local_staging() -> tempfile.TemporaryDirectory:
   """The one place a remote (``gs://``) workdir's files are staged on this machine: a
   temporary directory in the system's (``TMPDIR``), removed when done."""

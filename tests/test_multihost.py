@@ -24,6 +24,7 @@ from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, mu
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import reward_pool
 from stabledrl_jax import tasks
+from stabledrl_jax.rewards import math_equivalence
 from shared_runs import shared_start
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -451,6 +452,8 @@ def test_the_reward_pool_scores_what_this_process_scores():
   serial = reward_pool.RewardScorer(task, "d1")
   pooled = reward_pool.RewardScorer(task, "d1", workers=2)
   try:
+    # Each worker warmed math-verify up when it started, before any answer.
+    assert pooled._get_pool().apply(math_equivalence.is_warm)  # pylint: disable=protected-access
     np.testing.assert_array_equal(pooled(texts, examples), serial(texts, examples))
   finally:
     pooled.close()

@@ -229,7 +229,7 @@ def test_loads_csv_and_rejects_unknown_formats(tmp_path):
   assert sudoku.puzzle_of(example) == "0034000000000000"
   with pytest.raises(ValueError, match="unsupported"):
     tasks.read_records(tmp_path / "data.txt")
-  with pytest.raises(FileNotFoundError):
+  with pytest.raises(ValueError, match="absent.jsonl: no such file or directory"):
     tasks.read_records(tmp_path / "absent.jsonl")
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"a": 1}\nnot json\n')

@@ -183,7 +183,8 @@ def test_a_garbage_tokenizer_json_is_one_line_naming_the_file(tmp_path, content)
 def test_a_missing_tokenizer_json_is_named(tmp_path):
   with pytest.raises(FileNotFoundError) as error:
     tokenizers.HFTokenizer.llada(tmp_path)
-  assert str(error.value) == f"no tokenizer file at {tmp_path / 'tokenizer.json'}"
+  assert str(error.value) == (f"no tokenizer file at {tmp_path / 'tokenizer.json'} "
+                              "(no such file or directory)")
 
 
 def test_a_tokenizer_without_the_mask_token_names_the_file(tmp_path):

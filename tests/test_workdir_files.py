@@ -221,13 +221,15 @@ def test_a_failed_build_stops_orbax_and_the_reward_pool_before_its_one_line(tmp_
 def test_without_a_tpu_libtpu_writes_no_log_directory(tmp_path):
   code = ("import os, stabledrl_jax, jax; jax.devices(); "
           "print(os.environ['TPU_LOG_DIR'], os.getpid())")
-  env = {k: v for k, v in os.environ.items() if k != "TPU_LOG_DIR"}
+  temporary = tmp_path / "tmp"  # Where glog would write libtpu's driver logs (tpu_driver.*).
+  temporary.mkdir()
+  env = {k: v for k, v in os.environ.items() if k not in ("TPU_LOG_DIR", "TPU_MIN_LOG_LEVEL")}
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path, env=env)
+                       timeout=120, cwd=tmp_path, env=dict(env, TMPDIR=str(temporary)))
   assert out.returncode == 0, out.stderr[-2000:]
   value, pid = out.stdout.split()
   assert value == "disabled" and not libtpu_env.tpu_attached()
-  assert list(tmp_path.iterdir()) == []
+  assert list(tmp_path.iterdir()) == [temporary] and list(temporary.iterdir()) == []
   logs = "/tmp/tpu_logs"
   assert not os.path.isdir(logs) or not [n for n in os.listdir(logs) if n.endswith(f".{pid}")]
 

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from stabledrl_jax import hub, workdir_files
+from stabledrl_jax import hub, input_files, workdir_files
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import sharding as sharding_lib
 
@@ -68,8 +68,9 @@ def _read_json_object(path: str, what: str = "") -> dict[str, Any]:
     FileNotFoundError: no file at ``path``.
     CheckpointError: naming ``path``, when it is not JSON or not a JSON object.
   """
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"no {what or os.path.basename(path)} at {path}")
+  reason = input_files.problem(path)
+  if reason is not None:  # Missing, a FIFO (never opened), empty, unreadable.
+    raise FileNotFoundError(f"no {what or os.path.basename(path)} at {path} ({reason})")
   try:
     with open(path, encoding="utf-8") as f:
       value = json.load(f)
@@ -199,7 +200,9 @@ def _read_hf_config(path: str) -> dict[str, Any]:
 
 def load_config(path: str, **overrides) -> Any:
   """The model config of a checkpoint directory or Hub id (its config.json; no tensor is read)."""
-  hf_config = _read_hf_config(hub.local_path(path, files=(CONFIG_FILE,)))
+  path = hub.local_path(path, files=(CONFIG_FILE,))
+  input_files.check(path, "directory", what="checkpoint")
+  hf_config = _read_hf_config(path)
   return family_of(hf_config).checkpoint.config_from_hf(hf_config, **overrides)
 
 
@@ -227,6 +230,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
   if mesh is not None:
     sharding_lib.check_auto_mesh(mesh)
   path = hub.local_path(path)
+  input_files.check(path, "directory", what="checkpoint")
   hf_config = _read_hf_config(path)
   family = family_of(hf_config)
   layout = family.checkpoint

@@ -216,6 +216,11 @@ def _math_verify():
   return _math_verify_module or None
 
 
+def is_warm() -> bool:
+  """Whether math-verify is imported and warmed up in this process already."""
+  return bool(_math_verify_module)
+
+
 def warm_up() -> bool:
   """Imports and warms up math-verify in this process now; whether it is installed."""
   return _math_verify() is not None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from stabledrl_jax.input_files import InputError
 from stabledrl_jax.tasks import countdown
 from stabledrl_jax.tasks import gsm8k
 from stabledrl_jax.tasks import math500
@@ -108,7 +109,16 @@ def load_examples(
       records = [record for record in records if hub.keep(record)]
   if limit is not None:
     records = records[:limit]
-  return [task.example_from_record(record) for record in records]
+  examples = []
+  for number, record in enumerate(records, start=1):
+    try:
+      examples.append(task.example_from_record(record))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+      # A record of other columns or a value of the wrong kind: the file and the record named.
+      where = local if local is not None and not local.is_dir() else hub.path
+      kind = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
+      raise InputError(f"{where}: record {number}: {kind}{error}") from None
+  return examples
 
 
 __all__ = [

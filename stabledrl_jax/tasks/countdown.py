@@ -65,7 +65,8 @@ def example_from_record(record: Mapping[str, Any]) -> base.Example:
   if "ground_truth" in record:
     numbers, target = record["ground_truth"]
     return make_example(numbers, target, reference)
-  raise ValueError(f"Not a countdown record: {sorted(record)}")
+  raise ValueError(f"not a countdown record: its columns are {sorted(record)}; expected input and "
+                   "output, nums (or numbers) and target, or ground_truth")
 
 
 def _reward(completion: str, example: base.Example) -> float:

@@ -21,14 +21,15 @@ INSTRUCTION = (
 
 def example_from_record(record: Mapping[str, Any]) -> base.Example:
   """A GSM8K row ({"question", "answer": "... #### 72"}) or a d1 generation record."""
-  if "answer" in record:
+  if "question" in record and "answer" in record:
     answer = str(record["answer"])
     return base.Example(question=str(record["question"]),
                         ground_truth=task_rewards.gsm8k_reference_value(answer),
                         reference=answer if "####" in answer else None)
-  if "ground_truth" in record:
+  if "question" in record and "ground_truth" in record:
     return base.Example(question=str(record["question"]), ground_truth=record["ground_truth"])
-  raise ValueError(f"Not a GSM8K record: {sorted(record)}")
+  raise ValueError(f"not a GSM8K record: its columns are {sorted(record)}; expected question and "
+                   "answer, or question and ground_truth")
 
 
 def _correctness(completion: str, example: base.Example) -> float:

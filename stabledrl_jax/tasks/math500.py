@@ -24,7 +24,8 @@ def example_from_record(record: Mapping[str, Any]) -> base.Example:
   """A MATH row ({"problem", "answer"} and/or "solution") or a d1 generation record."""
   question = record.get("problem", record.get("question"))
   if question is None:
-    raise ValueError(f"Not a MATH record: {sorted(record)}")
+    raise ValueError(f"not a MATH record: its columns are {sorted(record)}; expected problem (or "
+                     "question) and answer, solution or ground_truth")
   solution = record.get("solution")
   if record.get("answer") is not None:
     answer = str(record["answer"])
@@ -33,7 +34,8 @@ def example_from_record(record: Mapping[str, Any]) -> base.Example:
   elif solution is not None:
     answer = task_rewards.math_reference(str(solution))
   else:
-    raise ValueError(f"MATH record without an answer: {sorted(record)}")
+    raise ValueError(f"a MATH record without an answer: its columns are {sorted(record)}; "
+                     "expected answer, solution or ground_truth")
   return base.Example(question=str(question), ground_truth=answer,
                       reference=None if solution is None else str(solution))
 

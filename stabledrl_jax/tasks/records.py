@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import pathlib
 from typing import Any
+
+from stabledrl_jax import input_files
 
 
 def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -62,14 +65,39 @@ _READERS = {
 
 
 def read_records(path: str | pathlib.Path) -> list[dict[str, Any]]:
-  """All records of a local .jsonl, .json, .csv or .parquet file, in file order."""
+  """All records of a local .jsonl, .json, .csv or .parquet file, in file order.
+
+  Raises:
+    input_files.InputError (a ValueError) naming the file and the reason: an unsupported
+    extension, no such file, not a regular file (a FIFO or a device is never opened), empty,
+    not readable, not UTF-8 text, malformed, or no records in it.
+  """
   path = pathlib.Path(path)
   reader = _READERS.get(path.suffix.lower())
   if reader is None:
-    raise ValueError(f"{path}: unsupported extension; expected one of {sorted(_READERS)}.")
-  if not path.is_file():
-    raise FileNotFoundError(path)
-  return reader(path)
+    raise input_files.InputError(
+        f"{path}: unsupported extension; expected one of {sorted(_READERS)}")
+  input_files.check(path)
+  try:
+    records = reader(path)
+  except UnicodeDecodeError as error:
+    raise input_files.InputError(f"{path}: not UTF-8 text ({error.reason} at byte "
+                                 f"{error.start})") from None
+  except OSError as error:
+    raise input_files.InputError(f"{path}: not readable ({error.strerror or error})") from None
+  except ImportError:
+    raise
+  except Exception as error:  # pylint: disable=broad-except  (csv.Error, JSON, pyarrow's own)
+    message = input_files.first_line(error)
+    raise input_files.InputError(
+        message if message.startswith(str(path)) else f"{path}: {message}") from None
+  if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+    bad = next((r for r in records if not isinstance(r, dict)), records)
+    raise input_files.InputError(f"{path}: a record is a {type(bad).__name__}, not an object "
+                                 "of named fields")
+  if not records:
+    raise input_files.InputError(f"{path}: no records")
+  return records
 
 
 def load_hub_records(path: str, config: str | None = None,
@@ -83,5 +111,16 @@ def load_hub_records(path: str, config: str | None = None,
         "'stabledrl_jax[datasets]' (and network access, or the dataset in the Hub cache with "
         "HF_HUB_OFFLINE=1). Otherwise pass a local .jsonl/.csv/.parquet file, or use the "
         "synthetic generators.") from None
-  dataset = datasets.load_dataset(path, config, split=split)
-  return [dict(row) for row in dataset]
+  try:
+    dataset = datasets.load_dataset(path, config, split=split)
+  except Exception as error:  # pylint: disable=broad-except  (datasets raises many kinds)
+    where = ("a local directory, read as a Hugging Face dataset repository"
+             if os.path.isdir(path) else "not a local file, and as a Hugging Face dataset")
+    raise input_files.InputError(
+        f"{path!r}: {where}, could not be loaded ({type(error).__name__}: "
+        f"{input_files.first_line(error)}). Pass a local .jsonl/.json/.csv/.parquet file"
+        ) from None
+  records = [dict(row) for row in dataset]
+  if not records:
+    raise input_files.InputError(f"{path!r}: split {split!r} has no records")
+  return records

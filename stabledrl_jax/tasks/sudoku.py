@@ -43,8 +43,17 @@ def format_question(puzzle: str) -> str:
 
 
 def make_example(puzzle: str, solution: str) -> base.Example:
+  """An example of ``puzzle`` (16 digits 0-4, 0 blank) and its ``solution`` (a complete valid
+  grid that keeps the puzzle's givens); ValueError saying which is wrong."""
   if len(puzzle) != NUM_CELLS or len(solution) != NUM_CELLS:
-    raise ValueError(f"Expected two {NUM_CELLS}-digit grids, got {puzzle!r} and {solution!r}.")
+    raise ValueError(f"expected two {NUM_CELLS}-digit grids, got {puzzle!r} and {solution!r}")
+  if not all(cell in "01234" for cell in puzzle):
+    raise ValueError(f"puzzle {puzzle!r} holds a cell that is not 0 (blank) or 1-4")
+  if solution not in _solution_strings():
+    raise ValueError(f"solution {solution!r} is not a complete valid 4x4 grid (1-4 once in "
+                     "every row, column and box)")
+  if any(given not in ("0", cell) for given, cell in zip(puzzle, solution)):
+    raise ValueError(f"solution {solution!r} does not keep the givens of puzzle {puzzle!r}")
   return base.Example(question=format_question(puzzle), ground_truth=solution, reference=solution)
 
 
@@ -76,7 +85,8 @@ def example_from_record(record: Mapping[str, Any]) -> base.Example:
     if puzzle is None:
       raise ValueError(f"No puzzle in question {fields['question']!r}.")
     return make_example(puzzle, str(fields["ground_truth"]))
-  raise ValueError(f"Not a sudoku record: {sorted(record)}")
+  raise ValueError(f"not a sudoku record: its columns are {sorted(record)}; expected Puzzle and "
+                   "Solution, or question and ground_truth")
 
 
 def _reward(completion: str, example: base.Example) -> float:
@@ -142,6 +152,11 @@ def all_solution_grids() -> np.ndarray:
 
   fill(0)
   return np.asarray(grids, dtype=np.int8)
+
+
+@functools.cache
+def _solution_strings() -> frozenset[str]:
+  return frozenset("".join(map(str, grid)) for grid in all_solution_grids().tolist())
 
 
 def _as_cells(puzzle: str) -> np.ndarray:

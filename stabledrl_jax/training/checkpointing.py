@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -161,14 +162,19 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(read_only=True, max_to_keep=None, create=False,
                                              save_interval_steps=0)
     else:
+      # A local directory's leftover temporary directories (a killed run's) are removed here,
+      # before orbax starts; orbax's own clean-up runs in a thread that an exit right after a
+      # one-line error interrupts with a traceback. A remote one keeps orbax's.
       options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                              enable_async_checkpointing=async_save,
-                                             cleanup_tmp_directories=True)
+                                             cleanup_tmp_directories=not is_local(self.directory))
     self._read_only = read_only
     self._pending = None  # The step of the save in flight, if any.
     with writing(self.directory):
       if not read_only:
         workdir_files.make_dir(self.directory)  # A real directory, not a link out.
+        if jax.process_index() == 0:
+          self._remove_unfinished()
       self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -205,12 +211,14 @@ class Checkpointer:
         self._remove_unfinished(step)
       raise
 
-  def _remove_unfinished(self, step: int) -> None:
-    """Removes what a failed save of ``step`` left (orbax's ``<step>.orbax-checkpoint-tmp*``)."""
+  def _remove_unfinished(self, step: int | None = None) -> None:
+    """Removes what a failed save of ``step`` left (orbax's ``<step>.orbax-checkpoint-tmp*``),
+    or of any step (None); local directories only."""
     if not is_local(self.directory) or not os.path.isdir(self.directory):
       return
+    pattern = re.compile(rf"{step if step is not None else '[0-9]+'}\.orbax-checkpoint-tmp")
     for name in os.listdir(self.directory):
-      if name.startswith(f"{step}.") and "tmp" in name:
+      if pattern.match(name):
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:

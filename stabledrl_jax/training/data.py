@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 
-from stabledrl_jax import tasks, tokenizers
+from stabledrl_jax import input_files, tasks, tokenizers
 from stabledrl_jax.models import family
 
 
@@ -25,7 +25,8 @@ def make_tokenizer(config: ml_collections.ConfigDict):
   if config.kind not in family.names():
     raise ValueError(f"config.tokenizer.kind: {config.kind!r} is not 'char' or one of the "
                      f"model families {family.names()}")
-  return family.get(config.kind).tokenizer(config.path)
+  with input_files.named("config.tokenizer.path"):
+    return family.get(config.kind).tokenizer(config.path)
 
 
 def format_prompt(tokenizer, task: tasks.Task, example: tasks.Example, *,
@@ -152,11 +153,10 @@ def _make_examples(config: ml_collections.ConfigDict, split: str) -> Sequence[ta
   size = config.data.train_size if split == "train" else config.data.eval_size
   seed = config.seed + (0 if split == "train" else 1)
   hub_split = "train" if split == "train" else "test"
-  if source == "hub":  # The task's default Hugging Face dataset (needs network).
-    return tasks.load_examples(config.task.name, None, split=hub_split, limit=size or None)
-  if source != "synthetic":
-    return tasks.load_examples(config.task.name, source, split=hub_split,
-                               limit=size or None)
+  if source != "synthetic":  # A file, a Hub dataset, or "hub": the task's default (network).
+    with input_files.named(f"config.data.{'train' if split == 'train' else 'eval'}"):
+      return tasks.load_examples(config.task.name, None if source == "hub" else source,
+                                 split=hub_split, limit=size or None)
   task = tasks.get_task(config.task.name)
   generator_options = dict(config.data.generator)
   if task.name == "sudoku":

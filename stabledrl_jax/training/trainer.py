@@ -49,7 +49,7 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import hub, models, profiling, tasks, workdir_files
+from stabledrl_jax import hub, input_files, models, profiling, tasks, workdir_files
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost, preemption
@@ -77,9 +77,10 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LL
   if not config.model.checkpoint:
     model_config = specs.model_config(config, tokenizer)
     return models.init_model(model_config, seed=config.seed, mesh=mesh)
-  path = hub.local_path(config.model.checkpoint, download=config.model.download)
-  model = models.from_pretrained(path, mesh=mesh, **_dtypes(config), remat=config.model.remat,
-                                 **specs.run_options(config))
+  with input_files.named("config.model.checkpoint"):
+    path = hub.local_path(config.model.checkpoint, download=config.model.download)
+    model = models.from_pretrained(path, mesh=mesh, **_dtypes(config),
+                                   remat=config.model.remat, **specs.run_options(config))
   try:
     data.check_tokenizer(model.config, tokenizer)
   except ValueError as error:
