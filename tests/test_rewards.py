@@ -8,6 +8,7 @@ import math
 import re
 import pathlib
 import signal
+import sys
 import threading
 import time
 
@@ -279,6 +280,20 @@ def test_math_reward_symbolic_check_adds_matches_when_math_verify_is_installed()
 ])
 def test_symbolic_screen(answer, safe):
   assert math_equivalence.safe_for_symbolic(answer) is safe
+
+
+def test_the_deadline_is_not_raised_inside_a_finalizer():
+  """A deadline that expires while the collector runs a __del__ waits for the work itself: an
+  exception there would be dropped as unraisable (and fail a pytest run)."""
+  seen = []
+
+  class Finalized:
+    def __del__(self):
+      seen.append(deadline._in_finalizer(sys._getframe()))  # pylint: disable=protected-access
+
+  Finalized()
+  assert seen == [True]
+  assert not deadline._in_finalizer(sys._getframe())  # pylint: disable=protected-access
 
 
 def test_symbolic_deadline_interrupts_python_level_work():

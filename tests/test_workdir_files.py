@@ -213,7 +213,7 @@ def test_a_failed_build_stops_orbax_and_the_reward_pool_before_its_one_line(tmp_
       capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 1
   assert out.stderr.strip().splitlines() == [
-      f"error: {checkpoint}/config.json holds a JSON list, not an object (a config.json maps "
+      f"error: config.model.checkpoint: {checkpoint}/config.json holds a JSON list, not an object (a config.json maps "
       "names to values) (--verbose shows the traceback)"], out.stderr[-3000:]
   assert not (tmp_path / "w" / checkpointing.WorkdirLock.NAME).exists()
 

@@ -80,13 +80,15 @@ def annotated_param(key: Array, shape: tuple[int, ...], *, std: float | None, dt
 
 
 class Linear(nnx.Module):
-  """y = x @ kernel, no bias. kernel: [in, out] (the transpose of a torch Linear weight)."""
+  """y = x @ kernel (+ its LoRA adapter's term), no bias. kernel: [in, out] (the transpose of a
+  torch Linear weight). ``lora``: None, or a ``models.lora.Adapter`` (``lora.add_adapters``)."""
 
   def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], std: float,
                dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
     self.kernel = annotated_param(rngs.params(), (in_features, out_features), std=std,
                                   dtype=param_dtype, axes=axes)
     self.dtype = dtype
+    self.lora = nnx.data(None)  # A data attribute: an adapter may be set later.
 
   def __call__(self, x: Array, out_dtype: Any = None) -> Array:
     """x: [..., in] -> [..., out] in `out_dtype` (default: the compute dtype)."""
@@ -97,6 +99,8 @@ class Linear(nnx.Module):
     # every such product: a third of the train step's time on the `small` config.
     rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)
     y = jnp.dot(rows, kernel, preferred_element_type=out_dtype or self.dtype)
+    if self.lora is not None:
+      y = y + self.lora(rows, self.dtype, y.dtype)
     return y.reshape(x.shape[:-1] + (kernel.shape[-1],))
 
 

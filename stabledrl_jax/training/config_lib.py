@@ -50,6 +50,13 @@ def base_config() -> ml_collections.ConfigDict:
       # The attention kernel: auto | xla | splash (Pallas, TPU) | cudnn (GPU); '' = the model
       # config's default, auto: splash on TPU, cudnn on GPU for 16-bit compute, else xla.
       attention="",
+      # LoRA (models/lora.py, docs/training.md "LoRA"): rank r of the adapters, 0 = every
+      # parameter trains (the default, as StableDRL's official code); alpha: the adapters' scale
+      # is alpha / r; targets: the official modules to adapt, comma-separated, matched as PEFT
+      # matches target_modules (the default: the four of d1's list that LLaDA has); base_dtype:
+      # how the frozen base is stored.
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,up_proj",
+                                          base_dtype="bfloat16")),
   ))
   # kind: 'char' (alphabet) or a model family's name, whose conventions apply to the
   # tokenizer.json at path: a file, a directory holding one, or a Hub id.

@@ -31,6 +31,8 @@ class RunSpec:
     baseline: the advantage baseline (``objectives.ADVANTAGE_BASELINES``).
     scale_advantages_by_std: divide the advantages by the group's reward std.
     gradient_bound: log StableDRL's convex-hull bound per update (per-sample gradients).
+    lora: only the LoRA adapters train (``models.lora``); the base is frozen and, with the
+      adapters off, the reference policy.
   """
 
   objective: str
@@ -44,6 +46,7 @@ class RunSpec:
   baseline: str = "group_mean"
   scale_advantages_by_std: bool = False
   gradient_bound: bool = False
+  lora: bool = False
 
   @property
   def registered(self) -> objectives.Objective:

@@ -17,10 +17,12 @@ import sys
 from typing import Any
 
 import ml_collections
+from flax import nnx
 
 from stabledrl_jax import estimators, hub, objectives, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
+from stabledrl_jax.models import lora as lora_lib
 from stabledrl_jax.training import data, run_spec
 
 # Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
@@ -80,6 +82,8 @@ FLOAT_RANGES: dict[str, _Range] = {
     "optimizer.weight_decay": _Range(0.0, 1.0, note="decoupled: each update shrinks the weights "
                                      "by learning_rate x weight_decay"),
     "optimizer.grad_clip": _Range(0.0, 1e9, note="0: off"),
+    "model.lora.alpha": _Range(0.0, 1e6, low_open=True, note="the adapters' scale is alpha / "
+                               "rank"),
     "optimizer.end_lr_factor": _Range(0.0, 1.0, note="the final fraction of the learning rate"),
     "sft.learning_rate": _RATE,
     "sft.demo_error_rate": _Range(0.0, 1.0, note="a probability"),
@@ -144,6 +148,7 @@ INT_RANGES: dict[str, _IntRange] = {
     "rollout.steps": _IntRange(1, _MAX_COUNT, note="at most rollout.gen_length"),
     "rollout.block_length": _IntRange(1, _MAX_SIZE, note="tokens"),
     "rollout.microbatch_groups": _IntRange(0, _MAX_SIZE, note="0: all at once"),
+    "model.lora.rank": _IntRange(0, 65536, note="0: every parameter trains"),
     "estimator.num_samples": _IntRange(1, _MAX_SIZE, unset_ok=True),
     "estimator.block_length": _IntRange(1, _MAX_SIZE, unset_ok=True, note="tokens"),
     "optimizer.warmup_steps": _IntRange(0, _MAX_COUNT, note="optimizer updates; 0: none"),
@@ -320,6 +325,10 @@ def model_config(config: ml_collections.ConfigDict, tokenizer=None) -> Any:
   return family.get_config(config.model.name, **overrides)
 
 
+# How a LoRA run's frozen base is stored (model.lora.base_dtype).
+LORA_BASE_DTYPES = ("bfloat16", "float32")
+
+
 def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Family, Any]:
   """model.family, model.name and model.overrides; returns the family and the named model's
   config (None for a checkpoint, whose config is known once it is loaded)."""
@@ -328,15 +337,22 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Famil
   attention = config.model.get("attention", "")
   _require(attention in ("",) + layers.ATTENTION_IMPLS, "model.attention",
            f"{attention!r} is not one of {', '.join(layers.ATTENTION_IMPLS)} ('' = auto)")
-  if config.model.checkpoint:
+  lora = config.model.lora
+  _require(lora.base_dtype in LORA_BASE_DTYPES, "model.lora.base_dtype",
+           f"{lora.base_dtype!r} is not one of {LORA_BASE_DTYPES}")
+  if config.model.checkpoint:  # Its targets are checked when it is loaded.
     return family, None
   _require(config.model.name in family.config_names, "model.name",
            f"{config.model.name!r} is not a {family.name} config; choose from "
            f"{family.config_names} (or set model.family)")
   try:
-    return family, model_config(config)
+    named = model_config(config)
   except ValueError as err:
     raise ValueError(f"config.model.overrides: {err}") from None
+  spec = lora_lib.spec_of(lora)
+  if spec is not None:  # Every target names a projection of the family (abstractly: no arrays).
+    lora_lib.targeted(nnx.eval_shape(lambda: family.model_cls(named, rngs=nnx.Rngs(0))), spec)
+  return family, named
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -620,4 +636,4 @@ def resolve_run(config: ml_collections.ConfigDict, model_config: Any) -> run_spe
       coupled_ratio=bool(settings["coupled_ratio"]),
       uses_reference=objective.uses_reference(hparams), baseline=advantage_baseline(config),
       scale_advantages_by_std=bool(config.objective.scale_advantages_by_std),
-      gradient_bound=bool(config.train.gradient_bound))
+      gradient_bound=bool(config.train.gradient_bound), lora=bool(config.model.lora.rank))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from stabledrl_jax.models import lora as lora_lib
 from stabledrl_jax.training import rl_loss, run_spec
 
 Array = jax.Array
@@ -29,8 +30,8 @@ class TrainState:
 
   Attributes:
     step: RL steps completed.
-    params: the model's nnx.Param state.
-    opt_state: optax state.
+    params: the model's nnx.Param state (with LoRA: the frozen base and the adapters).
+    opt_state: optax state of the trained parameters (``trained``: all, or the adapters).
     key: [2] uint32 raw PRNG key data of the run (``jax.random.wrap_key_data``).
     skipped_steps: updates skipped (non-finite loss, gradient, update or parameters), in total.
     consecutive_skips: updates skipped in a row, up to the latest.
@@ -47,18 +48,25 @@ class TrainState:
   objective_state: Any
 
 
+def trained(params: Any, lora: bool = False) -> Any:
+  """What the optimizer updates of ``params``: all of them, or with ``lora`` the adapters."""
+  return lora_lib.split(params)[0] if lora else params
+
+
 def create_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
-                       objective_state: Any = None) -> TrainState:
-  """A fresh state; ``objective_state`` the objective's initial one (None: {}, stateless)."""
+                       objective_state: Any = None, lora: bool = False) -> TrainState:
+  """A fresh state; ``objective_state`` the objective's initial one (None: {}, stateless);
+  ``lora``: the optimizer holds the adapters only."""
   return TrainState(
-      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(trained(params, lora)),
       key=jax.random.key_data(jax.random.key(seed)), skipped_steps=jnp.zeros((), jnp.int32),
       consecutive_skips=jnp.zeros((), jnp.int32),
       objective_state={} if objective_state is None else objective_state)
 
 
 def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardings: Any,
-                    replicated: jax.sharding.Sharding, objective_state: Any = None) -> TrainState:
+                    replicated: jax.sharding.Sharding, objective_state: Any = None,
+                    lora: bool = False) -> TrainState:
   """Shardings of the ``TrainState`` of ``params`` (concrete or abstract).
 
   Optimizer-state leaves shaped like the parameters (Adam's moments) take their parameter's
@@ -67,11 +75,12 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, param_shardin
   does not reach ``zeros_like(params)`` (no data dependence): every device would hold all of
   them (30 GiB for LLaDA-8B in bf16) instead of its shards.
   """
-  abstract = jax.eval_shape(lambda p: create_train_state(p, tx, 0), params)
+  abstract = jax.eval_shape(lambda p: create_train_state(p, tx, 0, lora=lora), params)
   objective_state = jax.tree.map(lambda _: replicated, {} if objective_state is None
                                  else objective_state)
   opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state,
-                                    param_shardings, transform_non_params=lambda _: replicated)
+                                    trained(param_shardings, lora),
+                                    transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_state,
                     key=replicated, skipped_steps=replicated, consecutive_skips=replicated,
                     objective_state=objective_state)
@@ -167,13 +176,16 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     (log ratios, weights: what the spike recorder keeps).
   """
 
-  def logits_fn_of(params, attention_mask):
-    return rl_loss.model_logits_fn(nnx.merge(graphdef, params), attention_mask)
-
   spec, num_microbatches, group_size = run.likelihood, run.num_microbatches, run.group_size
+  # The gradient is of the trained parameters (all, or the LoRA adapters); a frozen base is
+  # closed over, never differentiated (no weight gradient is computed for it).
+  split = lora_lib.split if run.lora else lambda params: (params, None)
+  join = lora_lib.join if run.lora else lambda trained_params, frozen: trained_params
 
-  def loss_fn(params, micro, micro_key):
-    return rl_loss.objective_loss(logits_fn_of(params, micro.attention_mask), micro, micro_key,
+  def loss_fn(trained_params, frozen, micro, micro_key):
+    logits_fn = rl_loss.model_logits_fn(nnx.merge(graphdef, join(trained_params, frozen)),
+                                        micro.attention_mask)
+    return rl_loss.objective_loss(logits_fn, micro, micro_key,
                                   spec=spec, objective=run.objective, hparams=run.hparams,
                                   group_size=group_size, gen_length=run.gen_length,
                                   use_reference=run.uses_reference,
@@ -186,17 +198,20 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
 
   def accumulate(grads, inputs, params):
     mb, mb_key = inputs
-    (_, metrics), mb_grads = grad_fn(params, mb, mb_key)
+    trained_params, frozen = split(params)
+    (_, metrics), mb_grads = grad_fn(trained_params, frozen, mb, mb_key)
     if run.gradient_bound:
+      logits_fn_of = lambda t, mask: rl_loss.model_logits_fn(
+          nnx.merge(graphdef, join(t, frozen)), mask)
       norms = rl_loss.surrogate_gradient_norms(
-          logits_fn_of, params, mb, mb_key, spec=spec,
+          logits_fn_of, trained_params, mb, mb_key, spec=spec,
           surrogate=lambda inputs: run.registered.surrogate(inputs, run.hparams))
       metrics["grad_bound/max"] = jnp.max(jnp.abs(mb.advantages) * norms)
       metrics[PER_SAMPLE + "grad_norm"] = norms
     grads = jax.tree.map(lambda a, g: a + g / num_microbatches, grads, mb_grads)
     return grads, metrics
 
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  zeros = jax.tree.map(jnp.zeros_like, split(state.params)[0])
   if num_microbatches == 1:
     # One microbatch (the default): no loop and no zero-initialized accumulator, whose carry XLA
     # would copy and add to, one pass over the gradients each.
@@ -224,13 +239,15 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   # Zero non-finite gradients before the optimizer so that its state stays finite
   # even in the branch that is discarded.
   safe_grads = jax.tree.map(lambda g: jnp.where(finite_grad, g, 0.0), grads)
-  updates, new_opt_state = tx.update(safe_grads, state.opt_state, state.params)
-  new_params = optax.apply_updates(state.params, updates)
+  trained_params, frozen = split(state.params)
+  updates, new_opt_state = tx.update(safe_grads, state.opt_state, trained_params)
+  new_trained = optax.apply_updates(trained_params, updates)
+  new_params = join(new_trained, frozen)
   update_norm = optax.tree.norm(updates)
   # An update is kept only if everything it produces is finite: the loss, the gradient, the
   # update and the new parameters (an infinite learning rate gives finite gradients and NaN
   # parameters), so that no poisoned state is ever kept or checkpointed.
-  finite = finite_grad & jnp.isfinite(update_norm) & _all_finite(new_params)
+  finite = finite_grad & jnp.isfinite(update_norm) & _all_finite(new_trained)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   skipped = (~finite).astype(jnp.int32)
   new_state = state.replace(

@@ -50,6 +50,7 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import hub, input_files, models, profiling, tasks, workdir_files
+from stabledrl_jax.models import lora as lora_lib
 from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost, preemption
@@ -246,6 +247,14 @@ def _copy_files(source: epath.Path, target: epath.Path) -> None:
     (target / file.name).write_bytes(file.read_bytes())
 
 
+def with_lora(config: ml_collections.ConfigDict, model: nnx.Module, mesh=None) -> nnx.Module:
+  """``model`` with ``config.model.lora``'s adapters (rank 0: as it is), created over ``mesh``."""
+  spec = lora_lib.spec_of(config.model.lora)
+  if spec is None:
+    return model
+  return lora_lib.add_adapters(model, spec, seed=config.seed, mesh=mesh)
+
+
 def make_update(run: run_spec.RunSpec, graphdef: Any, tx, state_shardings: Any, mesh):
   """The jitted update of ``run`` (``train_step.make_update_fn``), state donated and pinned."""
   return train_step.make_update_fn(
@@ -267,20 +276,24 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   """
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model_cfg = specs.model_config(config)
-  graphdef, params = nnx.split(
-      nnx.eval_shape(lambda: models.init_model(model_cfg, seed=config.seed)), nnx.Param)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: with_lora(
+      config, models.init_model(model_cfg, seed=config.seed))), nnx.Param)
+  run = specs.resolve_run(config, model_cfg)
+  if run.lora:
+    params = jax.eval_shape(lambda p: lora_lib.cast_base(
+        p, jnp.dtype(config.model.lora.base_dtype)), params)
   params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
                         params, models.param_shardings(params, mesh))
   tx = optimizer_lib.make_optimizer(config.optimizer,
                                     config.train.num_steps * config.train.num_iterations)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  run = specs.resolve_run(config, model_cfg)
   objective_state = run.initial_state()
   shardings = train_step.state_shardings(tx, params, jax.tree.map(lambda p: p.sharding, params),
-                                         replicated, objective_state)
+                                         replicated, objective_state, lora=run.lora)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(lambda p: train_step.create_train_state(
-                           p, tx, config.seed, objective_state), params), shardings)
+                           p, tx, config.seed, objective_state, lora=run.lora), params),
+                       shardings)
   spec = run.likelihood
   r = config.rollout
   n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
@@ -437,14 +450,19 @@ class Trainer:
       elif needs_start(config):
         model = resumed_start(config, self.workdir, self.mesh)
     self.model_config = model.config
+    model = with_lora(config, model, self.mesh)
     self.graphdef, params = nnx.split(model, nnx.Param)
-    # The reference for KL terms is the start of RL, frozen.
+    # The reference for KL terms is the start of RL, frozen: with LoRA the base itself (the
+    # adapters off), without a copy.
     self.run_spec = specs.resolve_run(config, self.model_config)
+    if self.run_spec.lora:
+      params = lora_lib.cast_base(params, jnp.dtype(config.model.lora.base_dtype))
     note = specs.estimator_note(config)
     if note and self.primary:
       print(note, file=sys.stderr, flush=True)
-    self.ref_params = params if self.run_spec.uses_reference else None
-    self.start_params = params if config.diagnostics.get("kl_to_start", False) else None
+    self.kl_to_start = bool(config.diagnostics.get("kl_to_start", False))
+    keep_start = not self.run_spec.lora and (self.run_spec.uses_reference or self.kl_to_start)
+    self.start_params = params if keep_start else None
     self.rollouts = rollout_lib.RolloutCollector(
         config, self.run_spec, tokenizer=self.tokenizer, task=self.task, scorer=self.scorer,
         graphdef=self.graphdef, model_config=self.model_config, mesh=self.mesh)
@@ -454,9 +472,9 @@ class Trainer:
     self.state_shardings = train_step.state_shardings(
         self.tx, params, jax.tree.map(lambda p: p.sharding, params),
         jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
-        objective_state=self.run_spec.initial_state())
+        objective_state=self.run_spec.initial_state(), lora=self.run_spec.lora)
     state = jax.jit(lambda p: train_step.create_train_state(
-        p, self.tx, config.seed, self.run_spec.initial_state()),
+        p, self.tx, config.seed, self.run_spec.initial_state(), lora=self.run_spec.lora),
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
     if latest is not None:
@@ -475,9 +493,10 @@ class Trainer:
     self.update = make_update(self.run_spec, self.graphdef, self.tx, self.state_shardings,
                               self.mesh)
     self.estimate_no_grad = self._scoring(self.run_spec)
+    self._adapters_off = jax.jit(lora_lib.adapters_off)
     # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
     sequence = dataclasses.replace(self.spec, normalize="sum")
-    self.estimate_sequence = None if self.start_params is None else self._scoring(
+    self.estimate_sequence = None if not self.kl_to_start else self._scoring(
         dataclasses.replace(self.run_spec, likelihood=sequence))
     self.writer = (metrics_writer.MetricsWriter(
         self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
@@ -591,7 +610,7 @@ class Trainer:
     self.samples = rollouts.samples
     old, ref, num_scorings = self._old_and_ref(rollouts.batch, key_old, inner_keys)
     kl_start = None
-    if self.start_params is not None:  # KL(pi_old || pi_start), on pi_old's own rollouts.
+    if self.kl_to_start:  # KL(pi_old || pi_start), on pi_old's own rollouts.
       kl_start = self._kl_to_start(rollouts.batch, key_old, None if old is None else old[0])
     inner_device = self._updates(rollouts.batch, old, ref, inner_keys)
     # On the host: the metrics are replicated, and host code launches no computation on global
@@ -633,8 +652,9 @@ class Trainer:
     old = ref = None
     if self.run_spec.needs_old:
       old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
-    if self.ref_params is not None:
-      ref = [self.estimate_no_grad(self.ref_params, batch, k) for k in keys] * repeat
+    if self.run_spec.uses_reference:
+      reference = self._start()
+      ref = [self.estimate_no_grad(reference, batch, k) for k in keys] * repeat
     return old, ref, len(keys) * ((old is not None) + (ref is not None))
 
   def _updates(self, batch: rl_loss.RolloutBatch, old: list | None, ref: list | None,
@@ -688,6 +708,12 @@ class Trainer:
         **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
     }
 
+  def _start(self) -> Any:
+    """The parameters of the start of RL: the kept copy, or with LoRA the base (adapters off)."""
+    if self.run_spec.lora:
+      return self._adapters_off(self.state.params)
+    return self.start_params
+
   def _kl_to_start(self, batch: rl_loss.RolloutBatch, key: jax.Array, old) -> jax.Array:
     """mean(l_old - l_start) over the batch's rollouts, both scored on the same masks (their
     noise largely cancels) as sequence log-likelihoods (``normalize='sum'``, whatever the
@@ -695,7 +721,7 @@ class Trainer:
     are pi_old's own samples. Token-level estimates are summed over each completion."""
     del old  # Scored with the objective's normalization (and the stress test's masks).
     now = self.estimate_sequence(self.state.params, batch, key)
-    start = self.estimate_sequence(self.start_params, batch, key)
+    start = self.estimate_sequence(self._start(), batch, key)
     return _mean_sequence_gap(now, start, batch.completion_mask)
 
   def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],

@@ -1,0 +1,163 @@
+"""LoRA adapters (models/lora.py): the adapter's math against a float64 re-derivation, PEFT's
+target matching on the official module names, PEFT's merge, the base as the reference policy,
+and a LoRA RL run that moves only the adapters."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stabledrl_jax import models
+from stabledrl_jax.models import layers, lora
+from stabledrl_jax.training import specs, train_step, trainer
+
+from test_training import tiny_config
+
+D1_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
+
+
+def _tiny(family="llada"):
+  config = (models.get_config("tiny") if family == "llada" else models.get_sdar_config("tiny"))
+  return models.init_model(config, seed=0)
+
+
+def _tokens(model):
+  return jnp.arange(24).reshape(2, 12) % model.config.vocab_size
+
+
+def test_an_adapter_adds_scale_times_x_a_b(rng=np.random.default_rng(0)):
+  linear = layers.Linear(6, 5, axes=(layers.AX_EMBED, layers.AX_MLP), std=0.5,
+                         dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  x = rng.normal(size=(3, 4, 6)).astype(np.float32)
+  before = np.asarray(linear(jnp.asarray(x)))
+  linear.lora = nnx.data(lora.Adapter(6, 5, rank=2, scale=1.5, axes=(layers.AX_EMBED,
+                                      layers.AX_MLP), param_dtype=jnp.float32,
+                                      key=jax.random.key(1)))
+  np.testing.assert_array_equal(np.asarray(linear(jnp.asarray(x))), before)  # B starts at 0.
+  a, b = rng.normal(size=(6, 2)), rng.normal(size=(2, 5))
+  linear.lora.a[...] = jnp.asarray(a, jnp.float32)
+  linear.lora.b[...] = jnp.asarray(b, jnp.float32)
+  kernel = np.asarray(linear.kernel[...], np.float64)
+  want = x.astype(np.float64) @ (kernel + 1.5 * a @ b)
+  np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x))), want, rtol=2e-5, atol=2e-5)
+  bound = 1 / np.sqrt(6)  # PEFT's lora_A init: uniform in +-1/sqrt(in).
+  first = np.asarray(lora.Adapter(6, 5, rank=2, scale=1.0, axes=(None, None),
+                                  param_dtype=jnp.float32, key=jax.random.key(2)).a[...])
+  assert np.all(np.abs(first) <= bound) and first.std() > 0
+
+
+def test_targets_are_the_official_names_matched_as_peft_matches_them():
+  model = _tiny("llada")
+  n = model.config.n_layers
+  chosen = lora.targeted(model, lora.LoRASpec(4, 8.0, D1_TARGETS))
+  assert sorted(chosen) == sorted(f"model.transformer.blocks.{i}.{p}" for i in range(n)
+                                  for p in D1_TARGETS)
+  # PEFT's suffix rule: LLaDA's "ff_out" is every block's down projection and the output head.
+  heads = lora.targeted(model, lora.LoRASpec(4, 8.0, ("ff_out",)))
+  assert "model.transformer.ff_out" in heads and heads["model.transformer.ff_out"] == ("lm_head",)
+  assert len(heads) == n + 1
+  # Names that LLaDA does not have (d1's o_proj, gate_proj, down_proj) are one line, not dropped.
+  with pytest.raises(ValueError, match=r"^config\.model\.lora\.targets: \['o_proj'\] match no "
+                     r"projection of llada \(its modules are named \['attn_out', "):
+    lora.targeted(model, lora.LoRASpec(4, 8.0, ("q_proj", "o_proj")))
+  sdar = _tiny("sdar")
+  chosen = lora.targeted(sdar, lora.LoRASpec(4, 8.0, ("gate_proj", "o_proj")))
+  assert chosen["model.layers.0.mlp.gate_proj"] == ("layers", 0, "mlp", "ff_proj")
+  assert chosen["model.layers.0.self_attn.o_proj"] == ("layers", 0, "self_attn", "o_proj")
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_adapters_change_nothing_until_trained_and_off_is_the_base(family):
+  model = _tiny(family)
+  tokens = _tokens(model)
+  base = np.asarray(model(tokens))
+  lora.add_adapters(model, lora.LoRASpec(4, 8.0, ("q_proj", "v_proj", "up_proj")), seed=3)
+  np.testing.assert_array_equal(np.asarray(model(tokens)), base)
+  graphdef, params = nnx.split(model, nnx.Param)
+  adapters, frozen = lora.split(params)
+  assert {type(v) for v in jax.tree.leaves(adapters, is_leaf=lambda x: isinstance(
+      x, nnx.Variable))} == {nnx.LoRAParam}
+  moved = lora.join(jax.tree.map(lambda x: x + 0.05, adapters), frozen)
+  assert np.abs(np.asarray(nnx.merge(graphdef, moved)(tokens)) - base).max() > 1e-3
+  np.testing.assert_array_equal(
+      np.asarray(nnx.merge(graphdef, lora.adapters_off(moved))(tokens)), base)
+  with pytest.raises(ValueError, match="already has adapters"):
+    lora.add_adapters(model, lora.LoRASpec(4, 8.0, ("q_proj",)))
+
+
+def test_merged_kernels_are_peft_s_w_plus_alpha_over_r_b_a(rng=np.random.default_rng(1)):
+  model = _tiny("llada")
+  spec = lora.LoRASpec(rank=4, alpha=2.0, targets=("k_proj",))
+  lora.add_adapters(model, spec)
+  linear = model.blocks[0].attn.k_proj
+  a = rng.normal(size=linear.lora.a.shape).astype(np.float32)
+  b = rng.normal(size=linear.lora.b.shape).astype(np.float32)
+  linear.lora.a[...], linear.lora.b[...] = jnp.asarray(a), jnp.asarray(b)
+  merged = lora.merged_kernels(model)[("blocks", 0, "attn", "k_proj", "kernel")]
+  # PEFT, in torch's layout: weight [out, in] + (lora_alpha / r) lora_B [out, r] @ lora_A [r, in].
+  weight = np.asarray(linear.kernel[...], np.float64).T
+  peft = weight + (2.0 / 4) * b.T.astype(np.float64) @ a.T.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(merged, np.float64).T, peft, rtol=1e-5, atol=1e-5)
+  assert len(lora.merged_kernels(model)) == model.config.n_layers
+
+
+def test_lora_config_errors_name_their_field():
+  for field, value, says in (("model.lora.base_dtype", "int3", "base_dtype: 'int3' is not one"),
+                             ("model.lora.targets", "q_prj", "targets: ['q_prj'] match no"),
+                             ("model.lora.rank", -1, "model.lora.rank"),
+                             ("model.lora.alpha", 0.0, "model.lora.alpha")):
+    config = tiny_config(**{"model.lora.rank": 4, field: value})
+    with pytest.raises(ValueError, match=re.escape(says)):
+      specs.validate(config)
+
+
+def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp_path):
+  """GRPO with its KL term (the reference: the base with the adapters off), two steps of two
+  updates: the base stays as it was, bit for bit, in bfloat16; every adapter's B moves; the
+  optimizer holds moments of the adapters only."""
+  config = tiny_config(**{"sft.num_steps": 0, "model.lora.rank": 4, "model.lora.alpha": 8.0,
+                          "objective.name": "grpo", "objective.grpo.beta": 0.04,
+                          "estimator.method": "mean_field"})
+  run = trainer.Trainer(config, str(tmp_path))
+  assert run.start_params is None  # No copy of the weights for the reference.
+  before = jax.device_get(run.state.params)
+  run.run()
+  run.close()
+  after = jax.device_get(run.state.params)
+  (a0, b0), (a1, b1) = lora.split(before), lora.split(after)
+  base_leaves = jax.tree.leaves(b1)
+  assert {str(x.dtype) for x in base_leaves} == {"bfloat16"}
+  for old, new in zip(jax.tree.leaves(b0), base_leaves):
+    np.testing.assert_array_equal(old, new)
+  adapters = {path: (np.asarray(x), np.asarray(y)) for (path, x), (_, y) in zip(
+      jax.tree_util.tree_leaves_with_path(a0), jax.tree_util.tree_leaves_with_path(a1))}
+  moved_b = [not np.array_equal(x, y) for path, (x, y) in adapters.items()
+             if getattr(path[-2], "key", None) == "b"]  # [..., 'lora', 'b', .value]
+  assert moved_b and all(moved_b)
+  moments = [x.shape for x in jax.tree.leaves(run.state.opt_state) if np.ndim(x)]
+  assert sorted(moments) == sorted(2 * [x.shape for x in jax.tree.leaves(a1)])
+  trained = train_step.trained(run.state.params, lora=True)
+  assert len(jax.tree.leaves(trained)) == len(jax.tree.leaves(a1))
+  # The rerun resumes the adapters where they were.
+  resumed = trainer.Trainer(config, str(tmp_path))
+  assert resumed.start_step == 2
+  for old, new in zip(jax.tree.leaves(after), jax.tree.leaves(jax.device_get(
+      resumed.state.params))):
+    np.testing.assert_array_equal(old, new)
+  resumed.close()
+
+
+def test_the_ahead_of_time_update_of_a_lora_run_holds_less_than_a_full_one():
+  """``trainer.abstract_update`` (the planner's and the TPU compile's path) builds the adapters,
+  the bfloat16 base and the adapters' optimizer state."""
+  sizes = {}
+  for rank in (0, 4):
+    update, state, batch, key = trainer.abstract_update(tiny_config(**{"model.lora.rank": rank}))
+    compiled = update.lower(state, batch, key).compile()
+    sizes[rank] = compiled.memory_analysis().argument_size_in_bytes
+    if rank:
+      assert {str(x.dtype) for x in jax.tree.leaves(lora.split(state.params)[1])} == {"bfloat16"}
+  assert sizes[4] < sizes[0] / 3, sizes
