@@ -268,7 +268,7 @@ def generate_shards(model: Any, tokenizer, task: tasks.Task,
     The paths of this host's shards, finished now or before.
   """
   _check_sizes(batch_size, shard_size)
-  workdir_files.make_dir(output_dir)
+  os.makedirs(output_dir, exist_ok=True)  # The user's own directory: a link to one is fine.
   # Every shard pads to the task's longest prompt: one compiled shape for the whole set, and the
   # same on every host.
   tokens, mask = styled_prompts(tokenizer, task, examples, style)

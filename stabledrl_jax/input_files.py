@@ -82,13 +82,14 @@ def first_line(error: BaseException) -> str:
 def named(field: str) -> Iterator[None]:
   """An ``OSError`` or ``ValueError`` raised inside is re-raised as an ``InputError`` that
   starts with ``field`` (a config field or a flag): "config.data.train: /x.jsonl: empty". An
-  error that already names the field passes unchanged."""
+  error that already names a field or flag ("config.<field>: ...", "--flag ...") passes
+  unchanged."""
   try:
     yield
   except (OSError, ValueError) as error:
     message = first_line(error)
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
       message = f"{os.fspath(error.filename)}: {error.strerror}"  # Not "[Errno 2] ...: 'x'".
-    if message.startswith(field):
+    if message.startswith((field, "config.", "--")):  # Already names its field or flag.
       raise
     raise InputError(f"{field}: {message}") from error

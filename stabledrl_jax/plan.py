@@ -564,8 +564,9 @@ class Store:
       return
     data = dict(rows=list(self.rows.values()), pending=list(self.pending.values()),
                 projections=list(self.projections.values()))
-    workdir_files.make_dir(os.path.dirname(os.path.abspath(self.path)))
     try:
+      with workdir_files.writing(self.path):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
       workdir_files.write_text(self.path, json.dumps(data, indent=1) + "\n")
     except workdir_files.WorkdirError as error:
       raise workdir_files.WorkdirError(f"--output: {error}") from None

@@ -84,6 +84,9 @@ def test_named_prefixes_the_field_once():
     with input_files.named("config.a"):
       raise ValueError("config.a: already named")
   assert type(error.value) is ValueError  # pylint: disable=unidiomatic-typecheck
+  with pytest.raises(ValueError, match=r"^config\.model\.attention: x$"):
+    with input_files.named("config.model.checkpoint"):  # Another field's error: as it is.
+      raise ValueError("config.model.attention: x")
   with pytest.raises(KeyError):  # Not a path's problem: unchanged.
     with input_files.named("config.a"):
       raise KeyError("b")
