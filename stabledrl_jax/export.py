@@ -15,6 +15,7 @@ gets
   ``--max_shard_size``, in ``--dtype`` (default: float32, lossless),
 * the tokenizer files of the run (tokenizer.json and the configs beside it); a character
   tokenizer has none, and the export says so,
+* a LoRA run's adapters merged into the kernels, W + (alpha / r) A B (``models.lora``),
 * ``stabledrl_jax.json``: the run's training config (``checkpoint_source.EXPORT_FILE``), so that
   ``python -m stabledrl_jax.evaluate`` formats prompts, builds the tokenizer (a character
   tokenizer's alphabet) and draws synthetic test sets as it does for the workdir: the export and
@@ -113,6 +114,7 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
   import ml_collections  # pylint: disable=g-import-not-at-top
 
   from stabledrl_jax import hub, models  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import lora  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
@@ -122,6 +124,8 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
   mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
                             devices=jax.local_devices())
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
+  if lora.has_adapters(model):  # A LoRA run: its adapters merged into the kernels.
+    lora.merge_adapters(model)
   copied = []
   directory = tokenizer_dir(source)
   record = checkpoint_source.export_record(source)

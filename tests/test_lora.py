@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import models
+from stabledrl_jax import export, models
 from stabledrl_jax.models import layers, lora
-from stabledrl_jax.training import specs, train_step, trainer
+from stabledrl_jax.training import checkpoint_source, specs, train_step, trainer
 
 from test_training import tiny_config
 
@@ -148,6 +148,19 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
       resumed.state.params))):
     np.testing.assert_array_equal(old, new)
   resumed.close()
+  # evaluate's loader restores the adapters; export merges them into the kernels.
+  tokens = jnp.arange(24).reshape(2, 12) % run.model_config.vocab_size
+  trained_logits = np.asarray(nnx.merge(run.graphdef, jax.device_get(run.state.params))(tokens))
+  source = checkpoint_source.resolve(str(tmp_path))
+  loaded = checkpoint_source.load_model(source, mesh=run.mesh, dtype=jnp.float32)
+  assert lora.has_adapters(loaded)
+  np.testing.assert_allclose(np.asarray(loaded(tokens)), trained_logits, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="LoRA adapter arrays, which a Hugging Face checkpoint"):
+    models.save_pretrained(loaded, str(tmp_path / "unmerged"))
+  export.export(str(tmp_path), str(tmp_path / "merged"))
+  merged = models.from_pretrained(str(tmp_path / "merged"))
+  assert not lora.has_adapters(merged)
+  np.testing.assert_allclose(np.asarray(merged(tokens)), trained_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_the_ahead_of_time_update_of_a_lora_run_holds_less_than_a_full_one():

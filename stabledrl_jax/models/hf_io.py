@@ -314,6 +314,10 @@ def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) 
   config = model.config
   layout = family_lib.of(config).checkpoint
   hf_config = layout.config_to_hf(config)
+  adapters = list(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+  if adapters:  # The checkpoint layout has no place for them: never dropped without a word.
+    raise ValueError(f"the model has {len(adapters)} LoRA adapter arrays, which a Hugging Face "
+                     "checkpoint does not hold: merge them first (models.lora.merge_adapters)")
   workdir_files.make_dir(path)
   workdir_files.write_text(os.path.join(path, CONFIG_FILE),
                            json.dumps(hf_config, indent=2, sort_keys=True))

@@ -186,6 +186,16 @@ def adapters_off(params: nnx.State) -> nnx.State:
   return join(jax.tree.map(jnp.zeros_like, adapters), base)
 
 
+def merge_adapters(model: nnx.Module) -> nnx.Module:
+  """``model`` with each adapter folded into its kernel (W + (alpha / r) A B) and removed, in
+  place (returned): the model a Hugging Face checkpoint holds."""
+  for path, kernel in merged_kernels(model).items():
+    linear = _at(model, path[:-1])
+    linear.kernel[...] = kernel
+    linear.lora = nnx.data(None)
+  return model
+
+
 def merged_kernels(model: nnx.Module) -> dict[tuple[Any, ...], Array]:
   """Path of each adapted kernel -> W + (alpha / r) A B [in, out] in the kernel's dtype (what
   PEFT's merge computes, W_torch + (alpha / r) B_torch A_torch, in our [in, out] layout)."""

@@ -271,7 +271,9 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
   if source.kind == HUGGING_FACE:
     return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)
   model_config = _workdir_model_config(source.config, dtype)
-  abstract = nnx.eval_shape(lambda: models.init_model(model_config, seed=0))
+  # A LoRA run's checkpoint holds its adapters and base: restored as trained.
+  abstract = nnx.eval_shape(lambda: trainer.with_lora(
+      source.config, models.init_model(model_config, seed=0)))
   graphdef, params = nnx.split(abstract, nnx.Param)
   target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                  sharding=sharding),

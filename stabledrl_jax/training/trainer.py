@@ -249,7 +249,8 @@ def _copy_files(source: epath.Path, target: epath.Path) -> None:
 
 def with_lora(config: ml_collections.ConfigDict, model: nnx.Module, mesh=None) -> nnx.Module:
   """``model`` with ``config.model.lora``'s adapters (rank 0: as it is), created over ``mesh``."""
-  spec = lora_lib.spec_of(config.model.lora)
+  section = config.model.get("lora")  # A workdir of an older version has none.
+  spec = None if section is None else lora_lib.spec_of(section)
   if spec is None:
     return model
   return lora_lib.add_adapters(model, spec, seed=config.seed, mesh=mesh)
