@@ -23,6 +23,12 @@ def _fifo(path):
   return path
 
 
+def _csv(path, rows):
+  with path.open("w", newline="") as file:
+    csv.writer(file).writerows(rows)
+  return path
+
+
 def _returns_promptly(function, *args):
   """``function(*args)``'s exception, run in a thread that must not block (a FIFO opened for
   reading would wait for a writer forever)."""
@@ -129,9 +135,7 @@ def test_a_fifo_or_a_directory_named_as_data_is_never_opened(tmp_path):
 ])
 def test_wrong_columns_name_the_file_the_record_and_the_expected_columns(tmp_path, task, label,
                                                                            expected):
-  path = tmp_path / "other.csv"
-  with path.open("w", newline="") as file:
-    csv.writer(file).writerows([["a", "b"], ["1", "2"]])
+  path = _csv(tmp_path / "other.csv", [["a", "b"], ["1", "2"]])
   with pytest.raises(input_files.InputError) as error:
     tasks.load_examples(task, path)
   assert str(error.value) == (f"{path}: record 1: not a {label} record: its columns are "
@@ -147,10 +151,9 @@ def test_wrong_columns_name_the_file_the_record_and_the_expected_columns(tmp_pat
 ])
 def test_a_sudoku_row_that_is_no_puzzle_is_refused_naming_its_record(tmp_path, puzzle, solution,
                                                                      says):
-  path = tmp_path / "puzzles.csv"
-  with path.open("w", newline="") as file:
-    csv.writer(file).writerows([["Puzzle", "Solution"], ["0034000000000000", "1234341221434321"],
-                                [puzzle, solution]])
+  path = _csv(tmp_path / "puzzles.csv", [["Puzzle", "Solution"],
+                                         ["0034000000000000", "1234341221434321"],
+                                         [puzzle, solution]])
   with pytest.raises(input_files.InputError, match=f"^{path}: record 2: .*{re.escape(says)}"):
     tasks.load_examples("sudoku", path)
 
