@@ -55,6 +55,9 @@ setuptools.setup(
         "cuda": ["jax[cuda12]>=0.7"],
         # gs:// workdirs: epath's and TensorBoard's Cloud Storage backends.
         "gcs": ["gcsfs>=2024.2", "google-cloud-storage>=2.14"],
+        # tests/test_peft.py checks our LoRA adapters against peft itself, on the CPU (CI installs
+        # torch 2.13.0's CPU build, constraints.txt; without this extra those tests skip).
+        "peft": ["torch>=2.1", "peft>=0.15"],
         "test": [
             "pytest>=8",
             "wheel>=0.42",  # tests/test_packaging.py builds the wheel of a non-editable install

@@ -1,21 +1,31 @@
-r"""Export a trained model as a Hugging Face checkpoint.
+r"""Export a trained model: a LoRA run's adapters in PEFT's format, any other as a Hugging Face
+checkpoint.
 
     python -m stabledrl_jax.export --workdir runs/llada8b_gsm8k --output exports/gsm8k \
-        [--step 400] [--dtype bfloat16] [--max_shard_size 5GB]
+        [--step 400] [--merge] [--dtype bfloat16] [--max_shard_size 5GB]
 
 (installed: ``stabledrl-export``). ``--workdir`` is a training workdir (the parameters of its
 latest or ``--step`` checkpoint; its config.json gives the architecture) or any checkpoint
-``python -m stabledrl_jax.evaluate`` reads (a Hugging Face directory, a Hub id). ``--output``
-gets
+``python -m stabledrl_jax.evaluate`` reads (a Hugging Face directory, a PEFT adapter, a Hub id).
+
+A model with LoRA adapters (``model.lora.rank`` > 0, or a PEFT adapter) gets, by default, a PEFT
+adapter directory (``models.peft_io``): ``adapter_config.json`` (r, lora_alpha, target_modules,
+lora_dropout, and ``base_model_name_or_path``: the run's ``model.checkpoint``, or its supervised
+start ``<workdir>/sft_model``) and ``adapter_model.safetensors`` in PEFT's tensor names for the
+official modeling code; ``peft``'s ``PeftModel.from_pretrained`` and our loaders read it on that
+base. ``--merge`` writes the merged Hugging Face checkpoint instead (W + (alpha / r) A B in each
+adapted kernel), as does every model without adapters:
 
 * ``config.json`` (and ``generation_config.json`` for a chat model's stop tokens) in the keys of
   the family's official modeling code (``models/<family>/checkpoint.py``),
 * the parameters as safetensors in the official tensor names and layouts, split into
   ``model-0000k-of-0000n.safetensors`` files with ``model.safetensors.index.json`` past
-  ``--max_shard_size``, in ``--dtype`` (default: float32, lossless),
+  ``--max_shard_size``, in ``--dtype`` (default: float32, lossless).
+
+Either way ``--output`` also gets
+
 * the tokenizer files of the run (tokenizer.json and the configs beside it); a character
   tokenizer has none, and the export says so,
-* a LoRA run's adapters merged into the kernels, W + (alpha / r) A B (``models.lora``),
 * ``stabledrl_jax.json``: the run's training config (``checkpoint_source.EXPORT_FILE``), so that
   ``python -m stabledrl_jax.evaluate`` formats prompts, builds the tokenizer (a character
   tokenizer's alphabet) and draws synthetic test sets as it does for the workdir: the export and
@@ -60,7 +70,7 @@ def tokenizer_dir(source) -> str | None:
   """The directory whose tokenizer files go with ``source`` (None: a character tokenizer)."""
   from stabledrl_jax import hub  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
-  if source.kind == checkpoint_source.HUGGING_FACE and os.path.isfile(
+  if source.kind in (checkpoint_source.HUGGING_FACE, checkpoint_source.PEFT) and os.path.isfile(
       os.path.join(source.path, "tokenizer.json")):
     return source.path
   if source.config is None or source.config.tokenizer.kind == "char":
@@ -90,8 +100,10 @@ def check_output(output: str, *, overwrite: bool = False) -> None:
 
 
 def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "float32",
-           max_shard_bytes: int = 5 * 10**9, overwrite: bool = False) -> list[str]:
-  """Writes the Hugging Face checkpoint of ``workdir`` (or ``step``) to ``output``.
+           max_shard_bytes: int = 5 * 10**9, overwrite: bool = False, merge: bool = False
+           ) -> list[str]:
+  """Writes the PEFT adapter (a model with adapters, unless ``merge``) or the Hugging Face
+  checkpoint of ``workdir`` (or ``step``) to ``output``.
 
   ``output`` must not exist or be empty, unless ``overwrite``. Everything is written into a
   directory staged beside it and renamed into place at the end (an existing ``output`` is then
@@ -114,7 +126,7 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
   import ml_collections  # pylint: disable=g-import-not-at-top
 
   from stabledrl_jax import hub, models  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.models import lora  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import lora, peft_io  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
@@ -123,15 +135,25 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
     raise ValueError(f"--output {output!r} is the checkpoint being exported")
   mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
                             devices=jax.local_devices())
+  as_adapter = not merge and checkpoint_source.model_has_adapters(source)
+  base = checkpoint_source.adapter_base(source) if as_adapter else None
+  if as_adapter and base is None:
+    raise ValueError(f"{source.path} trained LoRA adapters on a freshly initialized model, which "
+                     "no PEFT adapter can name as its base: pass --merge for the merged model")
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(dtype))
-  if lora.has_adapters(model):  # A LoRA run: its adapters merged into the kernels.
+  if not as_adapter and lora.has_adapters(model):  # --merge: W + (alpha / r) A B.
     lora.merge_adapters(model)
+  dropout = float(source.config.model.lora.get("dropout", 0.0)) if source.config else 0.0
   copied = []
   directory = tokenizer_dir(source)
   record = checkpoint_source.export_record(source)
   try:
     with workdir_files.staged_dir(output, overwrite=overwrite) as staging:
-      models.save_pretrained(model, os.fspath(staging), max_shard_bytes=max_shard_bytes)
+      if as_adapter:
+        peft_io.save_adapter(model, os.fspath(staging), base=base, dropout=dropout,
+                             dtype=jnp.dtype(dtype))
+      else:
+        models.save_pretrained(model, os.fspath(staging), max_shard_bytes=max_shard_bytes)
       if directory is not None:
         for name in hub.TOKENIZER_FILES:
           path = os.path.join(directory, name)
@@ -159,12 +181,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="dtype of the stored tensors (default float32: lossless)")
   parser.add_argument("--max_shard_size", default="5GB",
                       help="split the tensors into files of at most this size (default 5GB)")
+  parser.add_argument("--merge", action="store_true",
+                      help="a LoRA model: write the merged Hugging Face checkpoint instead of its "
+                      "PEFT adapter")
   parser.add_argument("--overwrite", action="store_true",
                       help="replace a non-empty --output (written aside, then swapped in)")
   args = parser.parse_args(argv)
   try:
     copied = export(args.workdir, args.output, step=args.step, dtype=args.dtype,
-                    max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite)
+                    max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite,
+                    merge=args.merge)
   except (ValueError, FileNotFoundError, NotImplementedError) as error:
     parser.error(str(error))
   print(f"wrote {args.output}"

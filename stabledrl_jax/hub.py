@@ -25,7 +25,8 @@ from typing import Sequence
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt")
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors",
-               "model.safetensors.index.json") + TOKENIZER_FILES
+               "model.safetensors.index.json", "adapter_config.json",  # A PEFT adapter's too.
+               "stabledrl_jax.json") + TOKENIZER_FILES
 DOWNLOAD_MODES = ("each_host", "process_0")
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

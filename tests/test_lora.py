@@ -157,7 +157,7 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
   np.testing.assert_allclose(np.asarray(loaded(tokens)), trained_logits, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="LoRA adapter arrays, which a Hugging Face checkpoint"):
     models.save_pretrained(loaded, str(tmp_path / "unmerged"))
-  export.export(str(tmp_path), str(tmp_path / "merged"))
+  export.export(str(tmp_path), str(tmp_path / "merged"), merge=True)
   merged = models.from_pretrained(str(tmp_path / "merged"))
   assert not lora.has_adapters(merged)
   np.testing.assert_allclose(np.asarray(merged(tokens)), trained_logits, rtol=1e-4, atol=1e-4)

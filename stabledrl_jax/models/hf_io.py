@@ -61,7 +61,7 @@ def as_ids(value: Any) -> list[int]:
   return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
-def _read_json_object(path: str, what: str = "") -> dict[str, Any]:
+def read_json_object(path: str, what: str = "") -> dict[str, Any]:
   """A JSON file that must hold an object.
 
   Raises:
@@ -92,23 +92,24 @@ def family_of(hf: dict[str, Any]) -> family_lib.Family:
 # ---------------------------------------------------------------------------
 
 
-class _Reader:
-  """Tensor name -> open safetensors file, for one checkpoint directory."""
+class Reader:
+  """Tensor name -> open safetensors file, for one checkpoint directory (``single``: the file
+  name of an unsharded one; a PEFT adapter's is ``adapter_model.safetensors``)."""
 
-  def __init__(self, path: str, stack: contextlib.ExitStack):
+  def __init__(self, path: str, stack: contextlib.ExitStack, single: str = SINGLE_FILE):
     index_path = os.path.join(path, INDEX_FILE)
-    single_path = os.path.join(path, SINGLE_FILE)
+    single_path = os.path.join(path, single)
     if os.path.exists(index_path):
-      weight_map = _read_json_object(index_path).get("weight_map")
+      weight_map = read_json_object(index_path).get("weight_map")
       if not (isinstance(weight_map, dict)
               and all(isinstance(v, str) for v in weight_map.values())):
         raise CheckpointError(f"{index_path} has no \"weight_map\" object of tensor name -> "
                               "file name")
       files = sorted(set(weight_map.values()))
     elif os.path.exists(single_path):
-      weight_map, files = None, [SINGLE_FILE]
+      weight_map, files = None, [single]
     else:
-      raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+      raise FileNotFoundError(f"{path} has neither {single} nor {INDEX_FILE}")
     handles = {}
     for name in files:
       file_path = os.path.join(path, name)
@@ -167,7 +168,7 @@ def _read_slice(tensor_slice: Any, index: tuple[slice, ...]) -> np.ndarray:
   return tensor_slice[index]
 
 
-def _load_array(reader: _Reader, name: str, shape: tuple[int, ...], transpose: bool, dtype: Any,
+def _load_array(reader: Reader, name: str, shape: tuple[int, ...], transpose: bool, dtype: Any,
                 sharding: NamedSharding | None) -> jax.Array:
   np_dtype = np.dtype(dtype)
 
@@ -187,10 +188,10 @@ def _load_array(reader: _Reader, name: str, shape: tuple[int, ...], transpose: b
 def _read_hf_config(path: str) -> dict[str, Any]:
   """config.json, its ``eos_token_id`` extended by generation_config.json's stop tokens (a chat
   model's end-of-turn token, e.g. SDAR's <|im_end|>), config.json's own first."""
-  hf = _read_json_object(os.path.join(path, CONFIG_FILE))
+  hf = read_json_object(os.path.join(path, CONFIG_FILE))
   generation = os.path.join(path, GENERATION_CONFIG_FILE)
   if os.path.exists(generation):
-    stops = _read_json_object(generation).get("eos_token_id")
+    stops = read_json_object(generation).get("eos_token_id")
     if stops is not None:
       own = as_ids(hf["eos_token_id"]) if hf.get("eos_token_id") is not None else []
       merged = list(dict.fromkeys(own + as_ids(stops)))
@@ -213,7 +214,8 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
 
   Args:
     path: directory with config.json and model.safetensors (or shards + index), or a Hugging
-      Face Hub id (``GSAI-ML/LLaDA-8B-Instruct``: fetched into the Hub cache, ``hub.py``).
+      Face Hub id (``GSAI-ML/LLaDA-8B-Instruct``: fetched into the Hub cache, ``hub.py``); or a
+      PEFT LoRA adapter's: its base with its adapters on it (``peft_io.from_pretrained``).
     dtype: parameter and compute dtype (e.g. jnp.bfloat16); logits stay float32 unless
       `logits_dtype` is overridden.
     mesh: if given, parameters are created sharded over it by the logical-axis `rules`, each
@@ -231,6 +233,9 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
     sharding_lib.check_auto_mesh(mesh)
   path = hub.local_path(path)
   input_files.check(path, "directory", what="checkpoint")
+  from stabledrl_jax.models import peft_io  # pylint: disable=g-import-not-at-top  (it imports us)
+  if peft_io.is_adapter_dir(path):
+    return peft_io.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules, **config_overrides)
   hf_config = _read_hf_config(path)
   family = family_of(hf_config)
   layout = family.checkpoint
@@ -246,7 +251,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
   assert not unmapped, f"model parameters without a checkpoint name: {sorted(unmapped)}"
 
   with contextlib.ExitStack() as stack:
-    reader = _Reader(path, stack)
+    reader = Reader(path, stack)
     present = reader.names()
     expected = {name for name, _, _ in entries}
     missing = [name for name, _, _ in entries if name not in present]

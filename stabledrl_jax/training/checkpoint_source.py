@@ -1,6 +1,6 @@
 """What a checkpoint path points at, and the model and tokenizer it holds, for inference.
 
-Two kinds of path:
+Three kinds of path:
 
 - a training workdir (``python -m stabledrl_jax.train --workdir``, with ``checkpoints/``): the
   parameters of its latest orbax checkpoint or of a chosen step; the architecture and tokenizer
@@ -13,8 +13,12 @@ Two kinds of path:
   (written by ``python -m stabledrl_jax.export``), else, for the supervised start
   ``<workdir>/sft_model``, the enclosing workdir's config.json; a plain Hugging Face checkpoint
   has none.
+- a PEFT LoRA adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``, as
+  ``peft`` and ``python -m stabledrl_jax.export`` write them; ``models.peft_io``): the base model
+  its ``base_model_name_or_path`` names (a Hugging Face directory or Hub id) with the adapter on
+  it. Its training config is its ``stabledrl_jax.json``, if it has one.
 
-Either way each parameter is created directly in its shards over the mesh.
+Any of them may be a Hub id. Either way each parameter is created directly in its shards over the mesh.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from flax import nnx
 
 from stabledrl_jax import hub, models, tokenizers
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import hf_io
+from stabledrl_jax.models import hf_io, peft_io
 from stabledrl_jax.training import checkpointing, config_lib, data, specs, trainer
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
+PEFT = "peft"
 # The training config an exported Hugging Face directory carries (export.py writes it):
 # {"format": 1, "exported_from": PATH, "step": N | null, "config": {<the run's config.json>}}.
 EXPORT_FILE = "stabledrl_jax.json"
@@ -47,7 +52,7 @@ class CheckpointSource:
   """A resolved checkpoint path.
 
   Attributes:
-    kind: WORKDIR or HUGGING_FACE.
+    kind: WORKDIR, HUGGING_FACE or PEFT.
     path: the directory, absolute.
     step: the orbax step of a workdir (None for a Hugging Face directory).
     config: the training config of a workdir, of an exported Hugging Face directory (its
@@ -194,10 +199,18 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
       config = training_config(config_file)
     return CheckpointSource(HUGGING_FACE, path, config=config,
                             config_file=config_file if config is not None else "")
+  if peft_io.is_adapter_dir(path):
+    if step is not None:
+      raise ValueError(f"a step ({step}) selects a checkpoint of a training workdir; {path} is a "
+                       "PEFT adapter directory")
+    peft_io.read_config(path)  # Checked now: one line naming the field.
+    config = exported_config(path)
+    return CheckpointSource(PEFT, path, config=config,
+                            config_file=os.path.join(path, EXPORT_FILE) if config else "")
   raise ValueError(
-      f"{path} is neither a training workdir (it has no checkpoints/ directory) nor a Hugging "
+      f"{path} is neither a training workdir (it has no checkpoints/ directory), a Hugging "
       f"Face checkpoint directory ({hf_io.CONFIG_FILE} with {hf_io.SINGLE_FILE} or "
-      f"{hf_io.INDEX_FILE})")
+      f"{hf_io.INDEX_FILE}) nor a PEFT adapter ({peft_io.CONFIG_FILE})")
 
 
 def load_tokenizer(source: CheckpointSource, spec: str = ""):
@@ -223,7 +236,8 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
       return _hf_tokenizer(spec, source)
     raise ValueError(f"tokenizer {spec!r} is not 'char', a tokenizer.json (or a directory "
                      "holding one), nor a training workdir or its config.json")
-  if source.kind == HUGGING_FACE and os.path.isfile(os.path.join(source.path, "tokenizer.json")):
+  if source.kind in (HUGGING_FACE, PEFT) and os.path.isfile(
+      os.path.join(source.path, "tokenizer.json")):
     return _hf_tokenizer(source.path, source)
   if source.config is not None:
     if source.config.tokenizer.kind != "char" and not os.path.exists(
@@ -240,16 +254,58 @@ def _hf_tokenizer(path: str, source: CheckpointSource):
   model family (``Family.tokenizer``): its config.json's, or its workdir's ``model.family``;
   LLaDA's for a bare tokenizer.json."""
   family = family_lib.get("llada")
-  if source.kind == HUGGING_FACE:
-    family = family_lib.of(models.load_config(source.path))
+  if source.kind in (HUGGING_FACE, PEFT):
+    family = family_lib.of(models.load_config(model_dir(source)))
   elif source.config is not None:
     family = family_lib.get(source.config.model.family)
   return family.tokenizer(path)
 
 
+def model_dir(source: CheckpointSource) -> str:
+  """The Hugging Face directory (or Hub id) of ``source``'s architecture: its own, or a PEFT
+  adapter's base."""
+  if source.kind == PEFT:
+    return peft_io.read_config(source.path)["base_model_name_or_path"]
+  return source.path
+
+
+def model_has_adapters(source: CheckpointSource) -> bool:
+  """Whether ``source``'s model carries LoRA adapters (a LoRA run's workdir, a PEFT adapter)."""
+  if source.kind == PEFT:
+    return True
+  if source.kind != WORKDIR:
+    return False
+  lora = source.config.model.get("lora")  # A workdir of an older version has none.
+  return bool(lora and lora.rank)
+
+
+def _unwrapped(checkpoint: str) -> str:
+  """A ``model.checkpoint``, or the base it names if it is a PEFT adapter."""
+  local = hub.local_path(checkpoint, files=(hf_io.CONFIG_FILE,) + peft_io.FILES)
+  if peft_io.is_adapter_dir(local):
+    return peft_io.read_config(local)["base_model_name_or_path"]
+  return checkpoint
+
+
+def adapter_base(source: CheckpointSource) -> str | None:
+  """What a PEFT adapter of ``source`` names as its base (a Hub id or an absolute directory): a
+  PEFT source's own base; a workdir's ``model.checkpoint`` (an adapter's base, if it is one) or
+  its supervised start ``sft_model``. None: the run began from a fresh initialization."""
+  if source.kind == PEFT:
+    return model_dir(source)
+  if source.kind != WORKDIR:
+    return None
+  start = source.config.model.checkpoint
+  if start:
+    start = _unwrapped(start)
+    return start if hub.is_hub_id(start) else os.path.abspath(start)
+  sft = os.path.join(source.path, trainer.SFT_DIR)
+  return sft if is_huggingface_dir(sft) else None
+
+
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
-    start = hub.local_path(config.model.checkpoint, files=(hf_io.CONFIG_FILE,))
+    start = hub.local_path(_unwrapped(config.model.checkpoint), files=(hf_io.CONFIG_FILE,))
     if not os.path.isfile(os.path.join(start, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
@@ -260,8 +316,8 @@ def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
 
 def model_config(source: CheckpointSource, *, dtype: Any) -> Any:
   """The model config of ``source`` (its family's, in ``dtype``): no tensor is read."""
-  if source.kind == HUGGING_FACE:
-    return models.load_config(source.path, dtype=dtype, param_dtype=dtype)
+  if source.kind in (HUGGING_FACE, PEFT):
+    return models.load_config(model_dir(source), dtype=dtype, param_dtype=dtype)
   return _workdir_model_config(source.config, dtype)
 
 
@@ -270,6 +326,8 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
   compute), sharded over ``mesh``."""
   if source.kind == HUGGING_FACE:
     return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)
+  if source.kind == PEFT:
+    return peft_io.from_pretrained(source.path, dtype=dtype, mesh=mesh)
   model_config = _workdir_model_config(source.config, dtype)
   # A LoRA run's checkpoint holds its adapters and base: restored as trained.
   abstract = nnx.eval_shape(lambda: trainer.with_lora(

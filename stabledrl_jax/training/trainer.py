@@ -87,7 +87,31 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LL
   except ValueError as error:
     raise ValueError(f"config.tokenizer: {error} (model.checkpoint={config.model.checkpoint!r})"
                      ) from None
+  if lora_lib.has_adapters(model):  # A PEFT adapter: its base with it.
+    model = _continued_adapter(config, model)
   return _check_loaded(config, model, config.model.checkpoint)
+
+
+def _continued_adapter(config: ml_collections.ConfigDict, model: nnx.Module) -> nnx.Module:
+  """A model loaded with a PEFT adapter: with ``model.lora.rank`` 0 its merged weights (every
+  parameter trains); else the adapter itself trains on, if ``model.lora`` describes it (rank,
+  alpha, the modules it adapts), as the official code continues one (the reference of KL terms
+  is then its base)."""
+  spec = lora_lib.spec_of(config.model.lora)
+  if spec is None:
+    return lora_lib.merge_adapters(model)
+  adapters = lora_lib.adapters_of(model)
+  rank, scale = next((a.a.shape[1], a.scale) for a in adapters.values())
+  chosen = set(lora_lib.targeted(model, spec))
+  if (spec.rank, spec.scale) != (rank, scale) or chosen != set(adapters):
+    short = sorted({name.rsplit(".", 1)[-1] for name in adapters})
+    raise ValueError(
+        f"config.model.lora: rank={spec.rank}, alpha={spec.alpha:g}, targets="
+        f"{','.join(spec.targets)!r} do not describe the adapter model.checkpoint="
+        f"{config.model.checkpoint!r} (r={rank}, lora_alpha={scale * rank:g}, {len(adapters)} "
+        f"modules {','.join(short)}): set them so to train it on, or rank=0 to train its merged "
+        "weights")
+  return model
 
 
 def _dtypes(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -251,7 +275,7 @@ def with_lora(config: ml_collections.ConfigDict, model: nnx.Module, mesh=None) -
   """``model`` with ``config.model.lora``'s adapters (rank 0: as it is), created over ``mesh``."""
   section = config.model.get("lora")  # A workdir of an older version has none.
   spec = None if section is None else lora_lib.spec_of(section)
-  if spec is None:
+  if spec is None or lora_lib.has_adapters(model):  # Rank 0, or a PEFT adapter's (build_model).
     return model
   return lora_lib.add_adapters(model, spec, seed=config.seed, mesh=mesh)
 

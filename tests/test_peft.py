@@ -1,0 +1,302 @@
+"""PEFT's adapter format (models/peft_io.py), checked against ``peft`` itself: an adapter we write
+is read by ``peft.PeftModel`` onto a torch model with the official module names and merges to
+our weights (LLaDA's logits against the float64 forward of test_hf_io); an adapter ``peft`` writes
+loads into our model with the same logits; the format's fields and every refusal name the file
+and field. The peft tests skip only where torch and peft are not installed (CI installs them:
+the ``peft`` extra)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from stabledrl_jax import export, models
+from stabledrl_jax.models import hf_io, lora, peft_io
+from stabledrl_jax.training import checkpoint_source, trainer
+
+import test_hf_io
+import test_sdar
+from test_training import tiny_config, workdir_with_start
+
+D1_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj")
+
+
+def _base(tmp_path, family):
+  """A Hugging Face base checkpoint of random tensors (the family's own test layout)."""
+  module = test_hf_io if family == "llada" else test_sdar
+  tensors = module.random_tensors(module.HF_CONFIG)
+  return module.write_checkpoint(str(tmp_path / f"base_{family}"), tensors), tensors
+
+
+def _with_trained_adapters(model, targets, seed=0):
+  """``model`` with rank-4 adapters whose A and B are random (B moved from zero)."""
+  lora.add_adapters(model, lora.LoRASpec(4, 8.0, targets), seed=seed)
+  for i, adapter in enumerate(lora.adapters_of(model).values()):
+    adapter.b[...] = 0.2 * jax.random.normal(jax.random.key(100 + i), adapter.b.shape)
+  return model
+
+
+def _tokens(model):
+  return jnp.arange(24).reshape(2, 12) % model.config.vocab_size
+
+
+def _merged_hf(model):
+  """Our merged model's tensors in the official names and torch layouts."""
+  out = {}
+  merged = lora.merged_kernels(model)
+  for name, path in lora.projections(model).items():
+    if path + ("kernel",) in merged:
+      out[name + ".weight"] = np.asarray(merged[path + ("kernel",)], np.float32).T
+  return out
+
+
+def test_the_adapter_files_have_peft_s_names_shapes_and_fields(tmp_path):
+  base, _ = _base(tmp_path, "llada")
+  model = _with_trained_adapters(models.from_pretrained(base), ("q_proj", "up_proj"))
+  peft_io.save_adapter(model, str(tmp_path / "adapter"), base=base, dropout=0.05)
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+  assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8.0, 0.05)
+  assert config["target_modules"] == ["q_proj", "up_proj"]
+  assert config["base_model_name_or_path"] == base and config["bias"] == "none"
+  assert not (config["use_rslora"] or config["use_dora"] or config["fan_in_fan_out"])
+  tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  hf = test_hf_io.HF_CONFIG
+  d, f = hf["d_model"], hf["mlp_hidden_size"]
+  want = {}
+  for i in range(hf["n_layers"]):
+    for module, out_dim in (("q_proj", d), ("up_proj", f)):
+      name = f"base_model.model.model.transformer.blocks.{i}.{module}"
+      want[name + ".lora_A.weight"] = (4, d)
+      want[name + ".lora_B.weight"] = (out_dim, 4)
+  assert {k: v.shape for k, v in tensors.items()} == want
+  # The one adapter's A and B, transposed: the merge is W + alpha/r B A in torch's layout.
+  adapter = lora.adapters_of(model)["model.transformer.blocks.1.up_proj"]
+  a = tensors["base_model.model.model.transformer.blocks.1.up_proj.lora_A.weight"]
+  b = tensors["base_model.model.model.transformer.blocks.1.up_proj.lora_B.weight"]
+  w = models.from_pretrained(base).blocks[1].mlp.up_proj.kernel[...]
+  np.testing.assert_allclose(np.asarray(w).T + 2.0 * b @ a,
+                             _merged_hf(model)["model.transformer.blocks.1.up_proj.weight"],
+                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(a.T, np.asarray(adapter.a[...]))
+  # Read back: the base it names with the adapter on it, the same logits.
+  tokens = _tokens(model)
+  back = peft_io.from_pretrained(str(tmp_path / "adapter"))
+  np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(model(tokens)))
+
+
+def test_targets_that_select_part_of_a_suffix_are_written_as_full_names(tmp_path):
+  base, _ = _base(tmp_path, "llada")
+  model = _with_trained_adapters(models.from_pretrained(base), ("blocks.0.q_proj",))
+  peft_io.save_adapter(model, str(tmp_path / "a"), base=base)
+  config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+  assert config["target_modules"] == ["model.transformer.blocks.0.q_proj"]
+
+
+def _edit_config(path, **changes):
+  file = os.path.join(path, "adapter_config.json")
+  with open(file) as f:
+    config = json.load(f)
+  config.update(changes)
+  with open(file, "w") as f:
+    json.dump(config, f)
+
+
+@pytest.mark.parametrize("changes,says", [
+    (dict(use_rslora=True), "use_rslora: True; only False is supported"),
+    (dict(use_dora=True), "use_dora: True; only False"),
+    (dict(bias="all"), "bias: 'all'; only 'none'"),
+    (dict(peft_type="IA3"), "peft_type: 'IA3'; only 'LORA'"),
+    (dict(r=0), "r: 0 is not a positive integer"),
+    (dict(lora_alpha="x"), "lora_alpha: 'x' is not a positive number"),
+    (dict(rank_pattern={"q_proj": 8}), "rank_pattern: {'q_proj': 8}; only an empty value"),
+    (dict(base_model_name_or_path=None), "base_model_name_or_path: None: the adapter does not"),
+])
+def test_what_the_adapter_config_asks_that_we_cannot_do_is_one_line(tmp_path, changes, says):
+  base, _ = _base(tmp_path, "llada")
+  path = str(tmp_path / "adapter")
+  peft_io.save_adapter(_with_trained_adapters(models.from_pretrained(base), ("q_proj",)), path,
+                       base=base)
+  _edit_config(path, **changes)
+  with pytest.raises(ValueError, match=r"adapter_config\.json: " + __import__("re").escape(says)):
+    peft_io.from_pretrained(path)
+
+
+def test_bad_adapter_tensors_are_named(tmp_path):
+  base, _ = _base(tmp_path, "llada")
+  path = str(tmp_path / "adapter")
+  peft_io.save_adapter(_with_trained_adapters(models.from_pretrained(base), ("q_proj",)), path,
+                       base=base)
+  file = os.path.join(path, "adapter_model.safetensors")
+  tensors = load_file(file)
+  name = "base_model.model.model.transformer.blocks.0.q_proj.lora_B.weight"
+  cases = [
+      ({k: v for k, v in tensors.items() if k != name},
+       "blocks.0.q_proj.lora_A.weight has no base_model.model.model.transformer.blocks.0.q_proj"
+       ".lora_B.weight"),
+      ({**tensors, name: np.zeros((3, 4), np.float32)}, "has shape (3, 4), expected (64, 4)"),
+      ({**tensors, "base_model.model.model.transformer.blocks.0.q_proj.weight":
+        np.zeros((2, 2), np.float32)}, "is no LoRA weight"),
+      ({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": np.zeros((4, 64), np.float32),
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight": np.zeros((96, 4), np.float32)},
+       "'model.layers.0.mlp.up_proj' is no projection of this"),
+  ]
+  for content, says in cases:
+    save_file(content, file)
+    with pytest.raises(hf_io.CheckpointError, match=__import__("re").escape(says)):
+      peft_io.from_pretrained(path)
+  os.remove(file)
+  with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+    peft_io.from_pretrained(path)
+
+
+# ---------------------------------------------------------------------------
+# Against peft itself (torch on the CPU).
+# ---------------------------------------------------------------------------
+
+
+def _torch_model(tensors, name_or_path=None):
+  """A torch module tree with the official module names holding ``tensors``: each 2-d
+  ``<module>.weight`` of a projection an ``nn.Linear`` (what PEFT adapts), the rest plain;
+  ``name_or_path`` as a transformers model's (what peft writes as the base)."""
+  torch = pytest.importorskip("torch")
+
+  class Holder(torch.nn.Module):
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):  # PeftModelForCausalLM reads it.
+      del args, kwargs
+      return {}
+
+  root = Holder()
+  root.name_or_path = name_or_path
+  for name, value in tensors.items():
+    *parents, module_name, leaf = name.split(".")
+    module = root
+    for part in parents:
+      if not hasattr(module, part):
+        module.add_module(part, torch.nn.Module())
+      module = getattr(module, part)
+    value = torch.from_numpy(np.array(value, np.float32))
+    if leaf == "weight" and value.ndim == 2 and not module_name.endswith(("wte", "embed_tokens")):
+      linear = torch.nn.Linear(value.shape[1], value.shape[0], bias=False)
+      linear.weight.data = value
+      module.add_module(module_name, linear)
+    else:
+      holder = torch.nn.Module()
+      holder.weight = torch.nn.Parameter(value)
+      module.add_module(module_name, holder)
+  return root
+
+
+def _merged_by_peft(model):
+  return {k: v.detach().numpy() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_peft_reads_our_adapter_and_merges_to_our_weights(tmp_path, family):
+  peft = pytest.importorskip("peft")
+  base, tensors = _base(tmp_path, family)
+  model = _with_trained_adapters(models.from_pretrained(base), D1_TARGETS[:1] + D1_TARGETS[4:5]
+                                 + (("o_proj", "down_proj") if family == "sdar" else ()))
+  peft_io.save_adapter(model, str(tmp_path / "adapter"), base=base)
+  merged = _merged_by_peft(peft.PeftModel.from_pretrained(_torch_model(tensors),
+                                                          str(tmp_path / "adapter")))
+  ours = _merged_hf(model)
+  assert ours and set(ours) <= set(merged)
+  for name, value in ours.items():
+    np.testing.assert_allclose(merged[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  for name in set(merged) - set(ours):  # Everything else is the base, untouched.
+    np.testing.assert_array_equal(merged[name], tensors[name])
+  if family == "llada":  # peft's merged weights in the float64 forward give our logits.
+    tokens = _tokens(model)
+    want = test_hf_io.reference_logits(merged, test_hf_io.HF_CONFIG, np.asarray(tokens))
+    assert test_hf_io.relative_error(model(tokens), want) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_an_adapter_peft_writes_loads_into_our_model_with_its_logits(tmp_path, family):
+  peft = pytest.importorskip("peft")
+  base, tensors = _base(tmp_path, family)
+  # d1's seven names: on LLaDA peft adapts q, k, v and up only (it drops names that match no
+  # module), on SDAR all seven.
+  config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=list(D1_TARGETS),
+                           lora_dropout=0.05, init_lora_weights=False, task_type="CAUSAL_LM",
+                           base_model_name_or_path=base)
+  wrapped = peft.get_peft_model(_torch_model(tensors, name_or_path=base), config)
+  wrapped.save_pretrained(str(tmp_path / "written_by_peft"))
+  merged = _merged_by_peft(wrapped)
+  path = str(tmp_path / "written_by_peft")
+  assert json.loads(open(os.path.join(path, "adapter_config.json")).read())[
+      "base_model_name_or_path"] == base
+  ours = models.from_pretrained(path)  # The adapter directory: its base with it.
+  adapted = sorted(name.rsplit(".", 1)[-1] for name in lora.adapters_of(ours))
+  assert set(adapted) == ({"q_proj", "k_proj", "v_proj", "up_proj"} if family == "llada"
+                          else set(D1_TARGETS))
+  for name, value in _merged_hf(ours).items():
+    np.testing.assert_allclose(value, merged[name], rtol=1e-5, atol=1e-6, err_msg=name)
+  if family == "llada":
+    tokens = _tokens(ours)
+    want = test_hf_io.reference_logits(merged, test_hf_io.HF_CONFIG, np.asarray(tokens))
+    assert test_hf_io.relative_error(ours(tokens), want) < 1e-5
+
+
+# ---------------------------------------------------------------------------
+# A LoRA workdir: exported as an adapter, evaluated and trained on from one.
+# ---------------------------------------------------------------------------
+
+
+def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tmp_path,
+                                                                            sft_start):
+  workdir = workdir_with_start(tmp_path / "run", sft_start)
+  config = tiny_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0,
+                          "model.lora.base_dtype": "float32", "train.num_steps": 1})
+  run = trainer.Trainer(config, str(workdir))
+  run.run()
+  tokens = jnp.arange(24).reshape(2, 12) % run.model_config.vocab_size
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  trained = np.asarray(nnx.merge(run.graphdef, jax.device_get(run.state.params))(tokens))
+  run.close()
+  out = tmp_path / "adapter"
+  export.export(str(workdir), str(out))
+  assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors",
+                                     "stabledrl_jax.json"]  # A character tokenizer: no files.
+  record = json.loads((out / "adapter_config.json").read_text())
+  assert record["base_model_name_or_path"] == str(workdir / trainer.SFT_DIR)
+  source = checkpoint_source.resolve(str(out))
+  assert source.kind == checkpoint_source.PEFT and source.config is not None
+  loaded = checkpoint_source.load_model(source, mesh=run.mesh, dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(loaded(tokens)), trained, rtol=1e-5, atol=1e-5)
+  # --merge: the Hugging Face checkpoint of the same model.
+  export.export(str(workdir), str(tmp_path / "merged"), merge=True)
+  merged = models.from_pretrained(str(tmp_path / "merged"))
+  assert not lora.has_adapters(merged)
+  np.testing.assert_allclose(np.asarray(merged(tokens)), trained, rtol=1e-4, atol=1e-4)
+  # model.checkpoint = the adapter: rank 0 trains its merged weights; the same LoRA settings
+  # train the adapter on; others are one line.
+  start = {"model.checkpoint": str(out), "sft.num_steps": 0, "train.num_steps": 0}
+  full = trainer.build_model(tiny_config(**start), run.tokenizer, run.mesh)
+  assert not lora.has_adapters(full)
+  np.testing.assert_allclose(np.asarray(full(tokens)), trained, rtol=1e-4, atol=1e-4)
+  on = trainer.build_model(tiny_config(**start, **{"model.lora.rank": 4,
+                                                   "model.lora.alpha": 8.0}),
+                           run.tokenizer, run.mesh)
+  assert lora.has_adapters(on)
+  np.testing.assert_allclose(np.asarray(on(tokens)), trained, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"^config\.model\.lora: rank=8, alpha=16, targets=.* do "
+                     r"not describe the adapter model\.checkpoint=.* \(r=4, lora_alpha=8, "):
+    trainer.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.tokenizer, run.mesh)
+
+
+def test_a_lora_run_from_a_fresh_model_exports_merged_only(tmp_path):
+  config = tiny_config(**{"sft.num_steps": 0, "model.lora.rank": 2, "train.num_steps": 1})
+  trainer.train(config, str(tmp_path / "run"))
+  with pytest.raises(ValueError, match="freshly initialized model, which no PEFT adapter can "
+                     "name as its base: pass --merge"):
+    export.export(str(tmp_path / "run"), str(tmp_path / "adapter"))
+  assert not (tmp_path / "adapter").exists()
+  export.export(str(tmp_path / "run"), str(tmp_path / "merged"), merge=True)
+  assert (tmp_path / "merged" / "model.safetensors").is_file()
