@@ -2,6 +2,7 @@
 target matching on the official module names, PEFT's merge, the base as the reference policy,
 and a LoRA RL run that moves only the adapters."""
 
+import dataclasses
 import re
 
 import jax
@@ -108,17 +109,19 @@ def test_lora_config_errors_name_their_field():
   for field, value, says in (("model.lora.base_dtype", "int3", "base_dtype: 'int3' is not one"),
                              ("model.lora.targets", "q_prj", "targets: ['q_prj'] match no"),
                              ("model.lora.rank", -1, "model.lora.rank"),
-                             ("model.lora.alpha", 0.0, "model.lora.alpha")):
+                             ("model.lora.alpha", 0.0, "model.lora.alpha"),
+                             ("model.lora.dropout", 1.0, "model.lora.dropout")):
     config = tiny_config(**{"model.lora.rank": 4, field: value})
     with pytest.raises(ValueError, match=re.escape(says)):
       specs.validate(config)
 
 
 def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp_path):
-  """GRPO with its KL term (the reference: the base with the adapters off), two steps of two
-  updates: the base stays as it was, bit for bit, in bfloat16; every adapter's B moves; the
+  """GRPO with its KL term (the reference: the base with the adapters off) and LoRA dropout, two
+  steps of two updates: the base stays as it was, bit for bit, in bfloat16; every adapter's B moves; the
   optimizer holds moments of the adapters only."""
   config = tiny_config(**{"sft.num_steps": 0, "model.lora.rank": 4, "model.lora.alpha": 8.0,
+                          "model.lora.dropout": 0.05,
                           "objective.name": "grpo", "objective.grpo.beta": 0.04,
                           "estimator.method": "mean_field"})
   run = trainer.Trainer(config, str(tmp_path))
@@ -174,3 +177,59 @@ def test_the_ahead_of_time_update_of_a_lora_run_holds_less_than_a_full_one():
     if rank:
       assert {str(x.dtype) for x in jax.tree.leaves(lora.split(state.params)[1])} == {"bfloat16"}
   assert sizes[4] < sizes[0] / 3, sizes
+
+
+def _dropped_rows(key, i, rows, rate):
+  """The rows adapter i sees under ``with_dropout(model, key, rate)``, in numpy."""
+  k = jax.random.wrap_key_data(jax.random.key_data(jax.random.fold_in(key, i)))
+  keep = np.asarray(jax.random.bernoulli(k, 1 - rate, rows.shape))
+  return np.where(keep, rows / (1 - rate), 0.0)
+
+
+def test_lora_dropout_drops_the_adapter_input_only_and_only_where_keyed(rng=np.random.default_rng(2)):
+  linear = layers.Linear(6, 5, axes=(layers.AX_EMBED, layers.AX_MLP), std=0.5,
+                         dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  holder = nnx.List([linear])
+  linear.lora = nnx.data(lora.Adapter(6, 5, rank=2, scale=1.5, axes=(layers.AX_EMBED,
+                                      layers.AX_MLP), param_dtype=jnp.float32,
+                                      key=jax.random.key(1)))
+  a, b = rng.normal(size=(6, 2)), rng.normal(size=(2, 5))
+  linear.lora.a[...], linear.lora.b[...] = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  x = rng.normal(size=(7, 6)).astype(np.float32)
+  plain = np.asarray(linear(jnp.asarray(x)))
+  key = jax.random.key(9)
+  # Not keyed (rollouts, evaluation) or rate 0: deterministic, the plain adapter.
+  lora.with_dropout(holder, key, 0.0)
+  np.testing.assert_array_equal(np.asarray(linear(jnp.asarray(x))), plain)
+  # A module that is no model: adapters_of needs the projections map, so key the adapter itself.
+  linear.lora.dropout_rate = 0.5
+  linear.lora.dropout_key = lora.DropoutKey(jax.random.key_data(jax.random.fold_in(key, 0)))
+  kernel = np.asarray(linear.kernel[...], np.float64)
+  want = x @ kernel + 1.5 * _dropped_rows(key, 0, x.astype(np.float64), 0.5) @ a @ b
+  np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x))), want, rtol=2e-5, atol=2e-5)
+  assert not np.allclose(want, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_lora_dropout_is_the_same_under_scan_layers_and_remat(family):
+  config = (models.get_config("tiny") if family == "llada" else models.get_sdar_config("tiny"))
+  outputs = []
+  for scan, remat in ((False, False), (True, True)):
+    model = models.init_model(dataclasses.replace(config, scan_layers=scan, remat=remat), seed=0)
+    lora.add_adapters(model, lora.LoRASpec(4, 8.0, ("q_proj", "up_proj")), seed=3)
+    for i, adapter in enumerate(lora.adapters_of(model).values()):
+      adapter.b[...] = 0.3 * jax.random.normal(jax.random.key(i), adapter.b.shape)
+    tokens = _tokens(model)
+    clean = np.asarray(model(tokens))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    @jax.jit
+    def dropped(params, key):
+      return lora.with_dropout(nnx.merge(graphdef, params), key, 0.3)(tokens)
+
+    noisy = np.asarray(dropped(params, jax.random.key(5)))
+    assert not np.allclose(noisy, clean, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(dropped(params, jax.random.key(5))), noisy)
+    assert not np.allclose(np.asarray(dropped(params, jax.random.key(6))), noisy, atol=1e-4)
+    outputs.append(noisy)
+  np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

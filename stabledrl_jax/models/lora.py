@@ -12,6 +12,11 @@ needs nothing of its own for LoRA.
 The adapters are ``nnx.LoRAParam``s (a kind of ``nnx.Param``): ``split`` separates them from the
 frozen base in a parameter state, ``join`` puts them back, and ``adapters_off`` zeroes them, the
 base model itself (the reference policy of KL terms: no second copy of the weights).
+
+LoRA dropout (PEFT's ``lora_dropout``: each adapter's input x, not the base's, dropped with rate p
+and scaled by 1 / (1 - p)) is drawn only where ``with_dropout(model, key, p)`` gave the adapters
+keys: the trainer does so in the forward pass that is differentiated, one key per microbatch.
+Rollouts, evaluation and the estimates under fixed parameters (l_old, the reference) run without.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class LoRASpec:
   rank: int
   alpha: float
   targets: tuple[str, ...]
+  dropout: float = 0.0
 
   @property
   def scale(self) -> float:
@@ -51,7 +57,8 @@ def spec_of(config: Any) -> LoRASpec | None:
   if not config.rank:
     return None
   targets = tuple(t.strip() for t in str(config.targets).split(",") if t.strip())
-  return LoRASpec(rank=int(config.rank), alpha=float(config.alpha), targets=targets)
+  return LoRASpec(rank=int(config.rank), alpha=float(config.alpha), targets=targets,
+                  dropout=float(config.get("dropout", 0.0)))
 
 
 class Adapter(nnx.Module):
@@ -67,8 +74,15 @@ class Adapter(nnx.Module):
     self.b = nnx.LoRAParam(jnp.zeros((rank, out_features), param_dtype),
                            out_sharding=(None, axes[1]), eager_sharding=False)
     self.scale = scale
+    self.dropout_rate = 0.0  # Set with dropout_key by `with_dropout`, in a traced copy only.
+    self.dropout_key = nnx.data(None)
 
   def __call__(self, rows: Array, dtype: Any, out_dtype: Any) -> Array:
+    if self.dropout_key is not None and self.dropout_rate > 0:
+      keep = 1.0 - self.dropout_rate
+      key = jax.random.wrap_key_data(self.dropout_key[...])
+      rows = jnp.where(jax.random.bernoulli(key, keep, rows.shape), rows / keep,
+                       jnp.zeros((), rows.dtype)).astype(rows.dtype)
     low = jnp.dot(rows, self.a[...].astype(dtype), preferred_element_type=dtype)
     return jnp.dot(low, self.b[...].astype(dtype), preferred_element_type=out_dtype) * self.scale
 
@@ -150,6 +164,23 @@ def add_adapters(model: nnx.Module, spec: LoRASpec, *, seed: int = 0,
     adapters = sharding_lib.init_sharded(build, mesh)
   for (_, linear), adapter in zip(plan, adapters):
     linear.lora = nnx.data(adapter)
+  return model
+
+
+class DropoutKey(nnx.Variable):
+  """An adapter's LoRA-dropout key (raw key data, uint32 [2]): no parameter, never trained or
+  saved; stacked across layers like one (``scan.scan_layers``)."""
+
+
+def with_dropout(model: nnx.Module, key: Array, rate: float) -> nnx.Module:
+  """``model`` (in place; returned) with LoRA dropout of ``rate`` on every adapter, adapter i
+  drawing from ``fold_in(key, i)`` (a fresh mask per call of ``key``). Meant for the model
+  merged inside a traced loss; ``rate`` 0 changes nothing."""
+  if rate <= 0:
+    return model
+  for i, adapter in enumerate(adapters_of(model).values()):
+    adapter.dropout_rate = float(rate)
+    adapter.dropout_key = DropoutKey(jax.random.key_data(jax.random.fold_in(key, i)))
   return model
 
 

@@ -53,10 +53,11 @@ def base_config() -> ml_collections.ConfigDict:
       # LoRA (models/lora.py, docs/training.md "LoRA"): rank r of the adapters, 0 = every
       # parameter trains (the default, as StableDRL's official code); alpha: the adapters' scale
       # is alpha / r; targets: the official modules to adapt, comma-separated, matched as PEFT
-      # matches target_modules (the default: the four of d1's list that LLaDA has); base_dtype:
+      # matches target_modules (the default: the four of d1's list that LLaDA has); dropout:
+      # PEFT's lora_dropout on the adapters' input, in the differentiated pass only; base_dtype:
       # how the frozen base is stored.
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,up_proj",
-                                          base_dtype="bfloat16")),
+                                          dropout=0.0, base_dtype="bfloat16")),
   ))
   # kind: 'char' (alphabet) or a model family's name, whose conventions apply to the
   # tokenizer.json at path: a file, a directory holding one, or a Hub id.

@@ -33,6 +33,7 @@ class RunSpec:
     gradient_bound: log StableDRL's convex-hull bound per update (per-sample gradients).
     lora: only the LoRA adapters train (``models.lora``); the base is frozen and, with the
       adapters off, the reference policy.
+    lora_dropout: LoRA dropout of the differentiated forward pass (``lora.with_dropout``).
   """
 
   objective: str
@@ -47,6 +48,7 @@ class RunSpec:
   scale_advantages_by_std: bool = False
   gradient_bound: bool = False
   lora: bool = False
+  lora_dropout: float = 0.0
 
   @property
   def registered(self) -> objectives.Objective:

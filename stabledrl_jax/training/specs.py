@@ -84,6 +84,7 @@ FLOAT_RANGES: dict[str, _Range] = {
     "optimizer.grad_clip": _Range(0.0, 1e9, note="0: off"),
     "model.lora.alpha": _Range(0.0, 1e6, low_open=True, note="the adapters' scale is alpha / "
                                "rank"),
+    "model.lora.dropout": _Range(0.0, 1.0, high_open=True, note="a probability below 1"),
     "optimizer.end_lr_factor": _Range(0.0, 1.0, note="the final fraction of the learning rate"),
     "sft.learning_rate": _RATE,
     "sft.demo_error_rate": _Range(0.0, 1.0, note="a probability"),
@@ -636,4 +637,5 @@ def resolve_run(config: ml_collections.ConfigDict, model_config: Any) -> run_spe
       coupled_ratio=bool(settings["coupled_ratio"]),
       uses_reference=objective.uses_reference(hparams), baseline=advantage_baseline(config),
       scale_advantages_by_std=bool(config.objective.scale_advantages_by_std),
-      gradient_bound=bool(config.train.gradient_bound), lora=bool(config.model.lora.rank))
+      gradient_bound=bool(config.train.gradient_bound), lora=bool(config.model.lora.rank),
+      lora_dropout=float(config.model.lora.dropout) if config.model.lora.rank else 0.0)

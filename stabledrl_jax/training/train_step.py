@@ -139,6 +139,8 @@ def _merge_microbatches(x: Array, num_microbatches: int, group_size: int) -> Arr
 
 
 PER_SAMPLE = "per_sample/"
+# fold_in(microbatch key, _DROPOUT_STREAM): the LoRA dropout masks, apart from the estimator's.
+_DROPOUT_STREAM = 0x10DA
 
 
 def reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
@@ -182,8 +184,13 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
   split = lora_lib.split if run.lora else lambda params: (params, None)
   join = lora_lib.join if run.lora else lambda trained_params, frozen: trained_params
 
+  def model_of(trained_params, frozen, micro_key):
+    """The model the gradient is of: with a LoRA run's dropout, drawn per microbatch."""
+    return lora_lib.with_dropout(nnx.merge(graphdef, join(trained_params, frozen)),
+                                 jax.random.fold_in(micro_key, _DROPOUT_STREAM), run.lora_dropout)
+
   def loss_fn(trained_params, frozen, micro, micro_key):
-    logits_fn = rl_loss.model_logits_fn(nnx.merge(graphdef, join(trained_params, frozen)),
+    logits_fn = rl_loss.model_logits_fn(model_of(trained_params, frozen, micro_key),
                                         micro.attention_mask)
     return rl_loss.objective_loss(logits_fn, micro, micro_key,
                                   spec=spec, objective=run.objective, hparams=run.hparams,
@@ -201,8 +208,7 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     trained_params, frozen = split(params)
     (_, metrics), mb_grads = grad_fn(trained_params, frozen, mb, mb_key)
     if run.gradient_bound:
-      logits_fn_of = lambda t, mask: rl_loss.model_logits_fn(
-          nnx.merge(graphdef, join(t, frozen)), mask)
+      logits_fn_of = lambda t, mask: rl_loss.model_logits_fn(model_of(t, frozen, mb_key), mask)
       norms = rl_loss.surrogate_gradient_norms(
           logits_fn_of, trained_params, mb, mb_key, spec=spec,
           surrogate=lambda inputs: run.registered.surrogate(inputs, run.hparams))
