@@ -1,12 +1,14 @@
 r"""The quickstart over several seeds: greedy eval accuracy per evaluation, gain, wall-clock time.
 
   python experiments/quickstart_seeds.py --workdir runs/quickstart_seeds [--seeds 0,1,2] \
-      [--config configs/quickstart.py] [--set FIELD=VALUE ...] [--readme README.md]
+      [--config configs/quickstart.py] [--set FIELD=VALUE ...] [--readme README.md] \
+      [--marker quickstart-seeds]
 
 Each seed runs ``python -m stabledrl_jax.train --config CONFIG --config.seed=S`` into
 ``WORKDIR/seed_S`` (its own supervised start and held-out set), as a new user would. Prints a
 markdown table, writes ``WORKDIR/summary.json``, and with ``--readme`` rewrites the table between
-the README's ``<!-- quickstart-seeds -->`` markers. A finished seed is not rerun
+the README's ``<!-- MARKER:begin -->`` and ``<!-- MARKER:end -->`` (``--marker``; the LoRA
+quickstart's table: ``--config configs/quickstart_lora.py --marker quickstart-lora-seeds``). A finished seed is not rerun
 (``--summarize_only`` only reads the workdirs).
 """
 
@@ -31,9 +33,9 @@ _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds to run.")
 _SET = flags.DEFINE_multi_string("set", [], "A config override FIELD=VALUE for every run "
                                   "(passed as --config.FIELD=VALUE); repeatable.")
 _README = flags.DEFINE_string("readme", None, "Rewrite the table between this file's markers.")
+_MARKER = flags.DEFINE_string("marker", "quickstart-seeds", "The README markers' name.")
 _SUMMARIZE_ONLY = flags.DEFINE_bool("summarize_only", False, "Read finished runs; run nothing.")
 
-BEGIN, END = "<!-- quickstart-seeds:begin -->", "<!-- quickstart-seeds:end -->"
 _TIME_FILE = "quickstart_seconds.json"
 
 
@@ -76,14 +78,15 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def rewrite_readme(path: str, text: str) -> None:
+def rewrite_readme(path: str, text: str, marker: str = "quickstart-seeds") -> None:
+  begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
   with open(path) as f:
     readme = f.read()
-  pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), flags=re.DOTALL)
+  pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), flags=re.DOTALL)
   if not pattern.search(readme):
-    raise ValueError(f"{path} has no {BEGIN} ... {END} markers")
+    raise ValueError(f"{path} has no {begin} ... {end} markers")
   with open(path, "w") as f:
-    f.write(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", readme))
+    f.write(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", readme))
 
 
 def main(argv) -> None:
@@ -99,7 +102,7 @@ def main(argv) -> None:
   with open(os.path.join(_WORKDIR.value, "summary.json"), "w") as f:
     json.dump({"config": _CONFIG.value, "overrides": _SET.value, "rows": rows}, f, indent=2)
   if _README.value:
-    rewrite_readme(_README.value, text)
+    rewrite_readme(_README.value, text, _MARKER.value)
 
 
 if __name__ == "__main__":

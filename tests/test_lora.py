@@ -233,3 +233,45 @@ def test_lora_dropout_is_the_same_under_scan_layers_and_remat(family):
     assert not np.allclose(np.asarray(dropped(params, jax.random.key(6))), noisy, atol=1e-4)
     outputs.append(noisy)
   np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+# The official recipes, re-read from each repository (config_lib.BASELINE_RECIPES cites the lines):
+# objective, mu per task (NUM_ITER), weight decay; every one LoRA r 128, alpha 64, dropout 0.05,
+# lr 3e-6 constant.
+OFFICIAL = {
+    "llada8b_d1": ("grpo", dict(gsm8k=12, math500=12, countdown=8, sudoku=8), 0.1),
+    "llada8b_spg": ("spg", dict(gsm8k=4, math500=4, countdown=4, sudoku=4), 0.1),
+    "llada8b_wd1": ("wd1", dict(gsm8k=12, math500=12, countdown=12, sudoku=8), 0.1),
+    "llada8b_espo": ("espo", dict(gsm8k=8, math500=8, countdown=8, sudoku=8), 0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_each_baseline_s_8b_config_trains_lora_as_its_official_code(name):
+  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  objective, mu, weight_decay = OFFICIAL[name]
+  for task, iterations in mu.items():
+    config = config_lib.get(f"{name}:{task}")
+    specs.validate(config)
+    assert (config.objective.name, config.task.name, config.train.num_iterations) == (
+        objective, task, iterations)
+    lora_section = config.model.lora
+    assert (lora_section.rank, lora_section.alpha, lora_section.dropout) == (128, 64.0, 0.05)
+    assert lora_section.targets == "q_proj,k_proj,v_proj,up_proj"  # d1's seven on LLaDA.
+    assert (config.optimizer.learning_rate, config.optimizer.schedule) == (3e-6, "constant")
+    assert (config.optimizer.weight_decay, config.optimizer.grad_clip) == (weight_decay, 0.2)
+    assert specs.resolve_run(config, specs.model_config(config)).lora
+  assert config_lib.get("llada8b_spg:sudoku").objective.spg.eubo_beta == 1.0
+  assert config_lib.get("llada8b_espo:countdown").objective.espo.beta == 3e-3
+  with pytest.raises(ValueError, match="ships no 'code' recipe; its tasks are"):
+    config_lib.get(f"{name}:code")
+
+
+def test_stabledrl_stays_full_parameter_and_its_lora_config_is_offered():
+  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  assert config_lib.get("llada8b_gsm8k").model.lora.rank == 0
+  config = config_lib.get("llada8b_stabledrl_lora:countdown")
+  specs.validate(config)
+  assert (config.objective.name, config.task.name, config.model.lora.rank) == (
+      "stabledrl", "countdown", 128)
+  assert "NOT the paper's setting" in open(config_lib.config_path("llada8b_stabledrl_lora")).read()

@@ -358,8 +358,10 @@ def check_config_flags(argv: list[str]) -> None:
 
 
 def get(name_or_path: str) -> ml_collections.ConfigDict:
-  """A shipped config by name (``get("quickstart")``) or a config file by path."""
-  return from_file(config_path(name_or_path))
+  """A shipped config by name (``get("quickstart")``) or a config file by path; ``NAME:arg``
+  gives ``get_config(arg)`` (``get("llada8b_d1:math500")``), as ``--config`` does."""
+  path, colon, arg = config_path(name_or_path).partition(":")
+  return from_file(path, arg if colon else None)
 
 
 def from_file(path: str | os.PathLike[str], arg: str | None = None
@@ -407,6 +409,72 @@ def llada8b_config(task: str, learning_rate: float) -> ml_collections.ConfigDict
                  param_dtype="float32", remat=True, scan_layers=True)
   c.tokenizer.update(kind="llada", path="GSAI-ML/LLaDA-8B-Instruct")
   c.rollout.update(steps=128, block_length=32)
+  return c
+
+
+# The baselines' official LoRA and optimizer recipes on LLaDA-8B-Instruct (docs/training.md,
+# "LoRA"), at the commits docs/algorithms.md cites. d1, SPG and wd1 hard-code a 4-bit NF4 base
+# with double quantization and bfloat16 compute (d1 diffu-grpo/diffu_grpo_train.py:71-77, SPG
+# spg/diffu_grpo_train.py:80-86, wd1 wd1/run_train.py:104-110); ESPO loads bfloat16 (no
+# load_in_4bit: TRL's default, False). All four list the seven names q, k, v, o, up, down,
+# gate_proj (d1 diffu_grpo_train.py:92-98, SPG :101-107, wd1 run_train.py:134-148, ESPO
+# recipes/train.yaml:11): on LLaDA PEFT matches q_proj, k_proj, v_proj and up_proj of them and
+# drops the rest without a word, so those four are the targets here. The base is stored in
+# bfloat16 for all four until a 4-bit base is implemented (issue #40); d1's, SPG's and wd1's
+# own is NF4.
+_D1_FAMILY_LORA = dict(rank=128, alpha=64.0, dropout=0.05,  # train.yaml:10-12 of each repository
+                       targets="q_proj,k_proj,v_proj,up_proj")
+BASELINE_RECIPES = {
+    # d1 diffu-grpo/slurm_scripts/train.yaml: lr 3e-6 constant_with_warmup (l.34-35, warmup
+    # ratio 1e-4: none here), AdamW 0.9 / 0.99 (l.23-24), weight decay 0.1 (l.25), clip 0.2
+    # (l.26), beta 0.04 and epsilon 0.5 (l.68-69); mu (NUM_ITER) 12 on gsm8k and math, 8 on
+    # countdown and sudoku ({gsm,math,countdown,sudoku}_base.sbatch:24).
+    "grpo": dict(lora=_D1_FAMILY_LORA, base_dtype="bfloat16", learning_rate=3e-6, weight_decay=0.1,
+                 mu=dict(gsm8k=12, math500=12, countdown=8, sudoku=8), hparams={}),
+    # SPG spg/slurm_scripts/train.yaml: the same LoRA and optimizer (l.3-13, 23-35); mu 4 and
+    # beta 0 (no KL) on every task, eubo_beta 1.5 (1.0 on sudoku), mix weight 0.5
+    # (spg_mix/*.sbatch:28-50).
+    "spg": dict(lora=_D1_FAMILY_LORA, base_dtype="bfloat16", learning_rate=3e-6, weight_decay=0.1,
+                mu=dict(gsm8k=4, math500=4, countdown=4, sudoku=4),
+                hparams=dict(sudoku=dict(eubo_beta=1.0))),
+    # wd1 wd1/train.yaml: the same LoRA and optimizer (l.3-13, 23-35); mu 12, 8 on sudoku
+    # (run/wll_NP_*.sh:22).
+    "wd1": dict(lora=_D1_FAMILY_LORA, base_dtype="bfloat16", learning_rate=3e-6, weight_decay=0.1,
+                mu=dict(gsm8k=12, math500=12, countdown=12, sudoku=8), hparams={}),
+    # ESPO recipes/train.yaml:6-11 (LoRA, bfloat16 base), run_{task}_llada.sh: lr 3e-6
+    # constant_with_warmup, weight decay 0.01, mu 8 (NUM_ITER, l.3), beta 1e-3 / 1e-3 / 3e-3 /
+    # 1e-2 (l.28). Its code task trains every parameter (run_code_llada.sh:33) and is no task here.
+    "espo": dict(lora=_D1_FAMILY_LORA, base_dtype="bfloat16", learning_rate=3e-6,
+                 weight_decay=0.01, mu=dict(gsm8k=8, math500=8, countdown=8, sudoku=8),
+                 hparams=dict(gsm8k=dict(beta=1e-3), math500=dict(beta=1e-3),
+                              countdown=dict(beta=3e-3), sudoku=dict(beta=1e-2))),
+}
+
+
+def baseline_llada8b_config(objective: str, task: str) -> ml_collections.ConfigDict:
+  """A baseline on LLaDA-8B-Instruct as its official code trains it: LoRA on a frozen base
+  (``BASELINE_RECIPES``: rank, alpha, dropout, targets, the base's storage), its learning rate,
+  schedule, weight decay, mu and per-task hyperparameters. Rollouts, batch and evaluation are the
+  paper's shared setting (``llada8b_config``), so that a comparison differs in the algorithm.
+
+  Raises:
+    ValueError: naming the objective or task that has no official recipe.
+  """
+  if objective not in BASELINE_RECIPES:
+    raise ValueError(f"no official LoRA recipe for objective {objective!r}; the baselines are "
+                     f"{sorted(BASELINE_RECIPES)} (StableDRL trains every parameter: "
+                     "llada8b_<task>.py)")
+  recipe = BASELINE_RECIPES[objective]
+  if task not in recipe["mu"]:
+    raise ValueError(f"{objective}'s official code ships no {task!r} recipe; its tasks are "
+                     f"{sorted(recipe['mu'])}")
+  c = llada8b_config(task, learning_rate=recipe["learning_rate"])
+  c.objective.name = objective
+  c.objective[objective].update(recipe["hparams"].get(task, {}))
+  c.model.lora.update(recipe["lora"], base_dtype=recipe["base_dtype"])
+  c.optimizer.update(schedule="constant", weight_decay=recipe["weight_decay"], b1=0.9, b2=0.99,
+                     grad_clip=0.2)
+  c.train.num_iterations = recipe["mu"][task]
   return c
 
 

@@ -1,0 +1,15 @@
+"""ESPO on LLaDA-8B-Instruct as its official code trains it: LoRA r 128, alpha 64, dropout
+0.05 on a frozen base, its learning rate, schedule and mu (config_lib.BASELINE_RECIPES cites the
+files and lines), on the paper's shared rollouts and batch.
+
+  python -m stabledrl_jax.train --config llada8b_espo:gsm8k --workdir runs/espo_gsm8k
+
+The task after the colon: gsm8k (the default), math500, countdown or sudoku. --config.model.lora.rank=0
+trains every parameter instead; docs/training.md, "LoRA", says what runs on which hardware.
+"""
+
+from stabledrl_jax.training import config_lib
+
+
+def get_config(task: str = "gsm8k"):
+  return config_lib.baseline_llada8b_config("espo", task)
