@@ -42,6 +42,9 @@ setuptools.setup(
         "etils[epath]>=1.7",  # workdir paths, local or gs:// (training/checkpointing.py)
         # Checkpoints and tokenizers by Hub id (models/hub.py): cached, honours HF_HUB_OFFLINE.
         "huggingface_hub>=0.24",
+        # A LoRA run's frozen base stored in int8 or 4-bit (models/layers.QuantizedKernel): qwix's
+        # quantize / dot_general, which compile for TPU, GPU and CPU. Pinned: its QArray layout.
+        "qwix==0.1.8",
     ],
     extras_require={
         # Parquet datasets (tasks.read_records); the Hugging Face Hub loader also needs `datasets`.

@@ -116,12 +116,14 @@ def test_lora_config_errors_name_their_field():
       specs.validate(config)
 
 
-def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp_path):
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
+def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp_path,
+                                                                              base_dtype):
   """GRPO with its KL term (the reference: the base with the adapters off) and LoRA dropout, two
   steps of two updates: the base stays as it was, bit for bit, in bfloat16; every adapter's B moves; the
   optimizer holds moments of the adapters only."""
   config = tiny_config(**{"sft.num_steps": 0, "model.lora.rank": 4, "model.lora.alpha": 8.0,
-                          "model.lora.dropout": 0.05,
+                          "model.lora.dropout": 0.05, "model.lora.base_dtype": base_dtype,
                           "objective.name": "grpo", "objective.grpo.beta": 0.04,
                           "estimator.method": "mean_field"})
   run = trainer.Trainer(config, str(tmp_path))
@@ -132,7 +134,9 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
   after = jax.device_get(run.state.params)
   (a0, b0), (a1, b1) = lora.split(before), lora.split(after)
   base_leaves = jax.tree.leaves(b1)
-  assert {str(x.dtype) for x in base_leaves} == {"bfloat16"}
+  # A 4-bit base: packed bytes and float32 scales beside the bfloat16 head, embeddings, norms.
+  assert {str(x.dtype) for x in base_leaves} == (
+      {"bfloat16"} if base_dtype == "bfloat16" else {"bfloat16", "float32", "uint8"})
   for old, new in zip(jax.tree.leaves(b0), base_leaves):
     np.testing.assert_array_equal(old, new)
   adapters = {path: (np.asarray(x), np.asarray(y)) for (path, x), (_, y) in zip(
@@ -170,13 +174,15 @@ def test_the_ahead_of_time_update_of_a_lora_run_holds_less_than_a_full_one():
   """``trainer.abstract_update`` (the planner's and the TPU compile's path) builds the adapters,
   the bfloat16 base and the adapters' optimizer state."""
   sizes = {}
-  for rank in (0, 4):
-    update, state, batch, key = trainer.abstract_update(tiny_config(**{"model.lora.rank": rank}))
+  for rank, base in ((0, "bfloat16"), (4, "bfloat16"), (4, "int4")):
+    update, state, batch, key = trainer.abstract_update(tiny_config(**{
+        "model.lora.rank": rank, "model.lora.base_dtype": base}))
     compiled = update.lower(state, batch, key).compile()
-    sizes[rank] = compiled.memory_analysis().argument_size_in_bytes
-    if rank:
+    sizes[rank, base] = compiled.memory_analysis().argument_size_in_bytes
+    if rank and base == "bfloat16":
       assert {str(x.dtype) for x in jax.tree.leaves(lora.split(state.params)[1])} == {"bfloat16"}
-  assert sizes[4] < sizes[0] / 3, sizes
+  assert sizes[4, "bfloat16"] < sizes[0, "bfloat16"] / 3, sizes
+  assert sizes[4, "int4"] < sizes[4, "bfloat16"], sizes
 
 
 def _dropped_rows(key, i, rows, rate):
@@ -236,20 +242,20 @@ def test_lora_dropout_is_the_same_under_scan_layers_and_remat(family):
 
 
 # The official recipes, re-read from each repository (config_lib.BASELINE_RECIPES cites the lines):
-# objective, mu per task (NUM_ITER), weight decay; every one LoRA r 128, alpha 64, dropout 0.05,
+# objective, mu per task (NUM_ITER), weight decay, the base's storage; every one LoRA r 128, alpha 64, dropout 0.05,
 # lr 3e-6 constant.
 OFFICIAL = {
-    "llada8b_d1": ("grpo", dict(gsm8k=12, math500=12, countdown=8, sudoku=8), 0.1),
-    "llada8b_spg": ("spg", dict(gsm8k=4, math500=4, countdown=4, sudoku=4), 0.1),
-    "llada8b_wd1": ("wd1", dict(gsm8k=12, math500=12, countdown=12, sudoku=8), 0.1),
-    "llada8b_espo": ("espo", dict(gsm8k=8, math500=8, countdown=8, sudoku=8), 0.01),
+    "llada8b_d1": ("grpo", dict(gsm8k=12, math500=12, countdown=8, sudoku=8), 0.1, "nf4"),
+    "llada8b_spg": ("spg", dict(gsm8k=4, math500=4, countdown=4, sudoku=4), 0.1, "nf4"),
+    "llada8b_wd1": ("wd1", dict(gsm8k=12, math500=12, countdown=12, sudoku=8), 0.1, "nf4"),
+    "llada8b_espo": ("espo", dict(gsm8k=8, math500=8, countdown=8, sudoku=8), 0.01, "bfloat16"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
 def test_each_baseline_s_8b_config_trains_lora_as_its_official_code(name):
   from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
-  objective, mu, weight_decay = OFFICIAL[name]
+  objective, mu, weight_decay, base_dtype = OFFICIAL[name]
   for task, iterations in mu.items():
     config = config_lib.get(f"{name}:{task}")
     specs.validate(config)
@@ -257,6 +263,7 @@ def test_each_baseline_s_8b_config_trains_lora_as_its_official_code(name):
         objective, task, iterations)
     lora_section = config.model.lora
     assert (lora_section.rank, lora_section.alpha, lora_section.dropout) == (128, 64.0, 0.05)
+    assert lora_section.base_dtype == base_dtype  # d1, SPG, wd1: bitsandbytes' 4-bit NF4.
     assert lora_section.targets == "q_proj,k_proj,v_proj,up_proj"  # d1's seven on LLaDA.
     assert (config.optimizer.learning_rate, config.optimizer.schedule) == (3e-6, "constant")
     assert (config.optimizer.weight_decay, config.optimizer.grad_clip) == (weight_decay, 0.2)
@@ -275,3 +282,45 @@ def test_stabledrl_stays_full_parameter_and_its_lora_config_is_offered():
   assert (config.objective.name, config.task.name, config.model.lora.rank) == (
       "stabledrl", "countdown", 128)
   assert "NOT the paper's setting" in open(config_lib.config_path("llada8b_stabledrl_lora")).read()
+
+
+@pytest.mark.parametrize("qtype,bytes_per_weight,error", [("int8", 1, 0.01), ("int4", 0.5, 0.15),
+                                                          ("nf4", 0.5, 0.15)])
+def test_a_quantized_kernel_packs_and_computes_with_the_values_it_stands_for(
+    qtype, bytes_per_weight, error, rng=np.random.default_rng(3)):
+  kernel = (0.05 * rng.standard_normal((128, 48))).astype(np.float32)
+  q = layers.QuantizedKernel(jnp.asarray(kernel), qtype, (layers.AX_EMBED, layers.AX_MLP))
+  assert q.shape == (128, 48)
+  assert q.qvalue[...].nbytes == 128 * 48 * bytes_per_weight  # 4-bit: two weights a byte.
+  values = np.asarray(q.dequantized(), np.float64)
+  assert 0 < np.abs(values - kernel).max() <= error * np.abs(kernel).max()
+  rows = rng.standard_normal((5, 128)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(q.dot(jnp.asarray(rows), jnp.float32, jnp.float32)),
+                             rows.astype(np.float64) @ values, rtol=1e-4, atol=1e-4)
+  linear = layers.Linear(128, 48, axes=(layers.AX_EMBED, layers.AX_MLP), std=0.05,
+                         dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  linear.kernel = q
+  np.testing.assert_allclose(np.asarray(linear(jnp.asarray(rows[None]))[0]),
+                             rows.astype(np.float64) @ values, rtol=1e-4, atol=1e-4)
+
+
+def test_store_base_quantizes_every_projection_but_the_head_and_merge_restores_floats(tmp_path):
+  model = _tiny("llada")
+  tokens = _tokens(model)
+  lora.add_adapters(model, lora.LoRASpec(4, 8.0, D1_TARGETS), seed=1)
+  lora.store_base(model, "int8")
+  quantized = {name for name, path in lora.projections(model).items()
+               if isinstance(lora._at(model, path).kernel, layers.QuantizedKernel)}
+  assert "model.transformer.ff_out" not in quantized
+  assert len(quantized) == 7 * model.config.n_layers  # Adapted or not, every block's seven.
+  logits = np.asarray(model(tokens))
+  plain = lora.store_base(_tiny("llada"), "nf4")  # No adapters, but a quantized base.
+  with pytest.raises(ValueError, match="quantized kernels, which a Hugging Face checkpoint"):
+    models.save_pretrained(plain, str(tmp_path / "never"))
+  assert not (tmp_path / "never").exists()
+  lora.merge_adapters(model)
+  assert not lora.has_adapters(model) and not [
+      p for p in nnx.to_flat_state(nnx.state(model, nnx.Param)) if p[0][-1] == "qvalue"]
+  np.testing.assert_allclose(np.asarray(model(tokens)), logits, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match=r"base_dtype: 'int3' is not one of"):
+    lora.store_base(model, "int3")

@@ -323,6 +323,11 @@ def save_pretrained(model: Any, path: str, *, max_shard_bytes: int = 5 * 2**30) 
   if adapters:  # The checkpoint layout has no place for them: never dropped without a word.
     raise ValueError(f"the model has {len(adapters)} LoRA adapter arrays, which a Hugging Face "
                      "checkpoint does not hold: merge them first (models.lora.merge_adapters)")
+  quantized = [s for s in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if s[0][-1] == "qvalue"]
+  if quantized:
+    raise ValueError(f"the model has {len(quantized)} quantized kernels, which a Hugging Face "
+                     "checkpoint does not hold: merge them first (models.lora.merge_adapters)")
   workdir_files.make_dir(path)
   workdir_files.write_text(os.path.join(path, CONFIG_FILE),
                            json.dumps(hf_config, indent=2, sort_keys=True))

@@ -79,9 +79,69 @@ def annotated_param(key: Array, shape: tuple[int, ...], *, std: float | None, dt
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+# A frozen kernel's quantized storage (``model.lora.base_dtype``; docs/training.md, "LoRA"): the
+# qwix types, and the tile of input features that shares one scale (4-bit: bitsandbytes' NF4
+# block of 64 weights; int8: one scale per output column).
+QUANTIZED = {"int8": ("int8", None), "int4": (jnp.int4, 64), "nf4": ("nf4", 64)}
+_PACKED = {jnp.dtype(jnp.int4): jnp.int8, jnp.dtype(jnp.uint4): jnp.uint8}
+
+
+class QuantScale(nnx.Param):
+  """A `QuantizedKernel`'s scales: float32, whatever the base's storage dtype."""
+
+
+class QuantizedKernel(nnx.Module):
+  """A frozen kernel [in, out] stored quantized by qwix: ``qvalue`` (int8 [in, out]; 4-bit values
+  packed two to a byte, [in, out / 2]) and ``scale`` [in / tile, out] (float32). Both are
+  ``nnx.Param``s of the frozen base (never differentiated: only adapters train on one)."""
+
+  def __init__(self, kernel: Array, qtype: str, axes: tuple[str, str]):
+    import qwix  # pylint: disable=g-import-not-at-top
+    if qtype not in QUANTIZED:
+      raise ValueError(f"quantized storage {qtype!r} is not one of {sorted(QUANTIZED)}")
+    kind, tile = QUANTIZED[qtype]
+    tile = tile if tile and kernel.shape[0] % tile == 0 else None
+    q = qwix.quantize(kernel.astype(jnp.float32), kind, channelwise_axes=(1,),
+                      tiled_axes={0: tile} if tile else {})
+    value = q.qvalue
+    if jnp.dtype(value.dtype) in _PACKED:
+      value = jax.lax.bitcast_convert_type(value.reshape(value.shape[0], -1, 2),
+                                           _PACKED[jnp.dtype(value.dtype)])
+    self.qtype = qtype
+    self.unpacked = str(jnp.dtype(q.qvalue.dtype))
+    self.qvalue = nnx.Param(value, out_sharding=axes, eager_sharding=False)
+    self.scale = QuantScale(q.scale.astype(jnp.float32), out_sharding=(None, axes[1]),
+                           eager_sharding=False)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    rows, cols = self.qvalue.shape
+    return rows, cols * (2 if self.unpacked in ("int4", "uint4") else 1)
+
+  def qarray(self, dtype: Any):
+    import qwix  # pylint: disable=g-import-not-at-top
+    value = self.qvalue[...]
+    if self.unpacked != str(value.dtype):
+      value = jax.lax.bitcast_convert_type(value, jnp.dtype(self.unpacked)).reshape(self.shape)
+    return qwix.QArray(value, self.scale[...].astype(dtype), zero_point=None,
+                       qtype=QUANTIZED[self.qtype][0])
+
+  def dot(self, rows: Array, dtype: Any, out_dtype: Any) -> Array:
+    """rows [N, in] @ the kernel, [N, out] in ``out_dtype``."""
+    import qwix  # pylint: disable=g-import-not-at-top
+    return qwix.dot_general(rows, self.qarray(dtype), (((1,), (0,)), ((), ())),
+                            preferred_element_type=out_dtype).astype(out_dtype)
+
+  def dequantized(self) -> Array:
+    """The kernel the quantized values stand for, [in, out] float32."""
+    import qwix  # pylint: disable=g-import-not-at-top
+    return qwix.dequantize(self.qarray(jnp.float32)).astype(jnp.float32)
+
+
 class Linear(nnx.Module):
   """y = x @ kernel (+ its LoRA adapter's term), no bias. kernel: [in, out] (the transpose of a
-  torch Linear weight). ``lora``: None, or a ``models.lora.Adapter`` (``lora.add_adapters``)."""
+  torch Linear weight), or a frozen `QuantizedKernel` (``lora.store_base``). ``lora``: None, or a
+  ``models.lora.Adapter`` (``lora.add_adapters``)."""
 
   def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], std: float,
                dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
@@ -92,12 +152,17 @@ class Linear(nnx.Module):
 
   def __call__(self, x: Array, out_dtype: Any = None) -> Array:
     """x: [..., in] -> [..., out] in `out_dtype` (default: the compute dtype)."""
+    rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+    if isinstance(self.kernel, QuantizedKernel):  # A frozen quantized base (QLoRA).
+      y = self.kernel.dot(rows, self.dtype, out_dtype or self.dtype)
+      if self.lora is not None:
+        y = y + self.lora(rows, self.dtype, y.dtype)
+      return y.reshape(x.shape[:-1] + (self.kernel.shape[-1],))
     kernel = self.kernel[...].astype(self.dtype)
     # One 2-d product [rows, in] @ [in, out]. Written over [B, L, in] instead, the weight gradient
     # contracts two dimensions (B and L), and XLA's CPU backend then materializes a transposed
     # copy of the output gradient (fused with its producer, e.g. the SwiGLU backward) before
     # every such product: a third of the train step's time on the `small` config.
-    rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)
     y = jnp.dot(rows, kernel, preferred_element_type=out_dtype or self.dtype)
     if self.lora is not None:
       y = y + self.lora(rows, self.dtype, y.dtype)

@@ -205,10 +205,29 @@ def join(adapters: nnx.State, base: nnx.State) -> nnx.State:
   return nnx.merge_state(base, adapters)
 
 
-def cast_base(params: nnx.State, dtype: Any) -> nnx.State:
-  """``params`` with the frozen base (everything but the adapters) stored in ``dtype``."""
-  adapters, base = split(params)
-  return join(adapters, jax.tree.map(lambda x: x.astype(dtype), base))
+# How a LoRA run's frozen base may be stored (``model.lora.base_dtype``).
+BASE_DTYPES = ("bfloat16", "float32") + tuple(layers.QUANTIZED)
+
+
+def store_base(model: nnx.Module, base_dtype: str) -> nnx.Module:
+  """``model`` (in place; returned) with its frozen base stored as ``base_dtype``: bfloat16 or
+  float32, or quantized (int8, int4, nf4: each projection's kernel a `layers.QuantizedKernel`
+  except the output head, which stays in bfloat16 with the embeddings and norms). The adapters
+  keep the model's parameter dtype."""
+  if base_dtype not in BASE_DTYPES:
+    raise ValueError(f"config.model.lora.base_dtype: {base_dtype!r} is not one of {BASE_DTYPES}")
+  if base_dtype in layers.QUANTIZED:
+    for path in projections(model).values():
+      linear = _at(model, path)
+      if len(path) > 1 and not isinstance(linear.kernel, layers.QuantizedKernel):
+        linear.kernel = layers.QuantizedKernel(
+            linear.kernel[...], base_dtype, sharding_lib.logical_axes(linear.kernel))
+  dtype = jnp.float32 if base_dtype == "float32" else jnp.bfloat16
+  floats = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(layers.QuantScale))
+  nnx.update(model, jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      nnx.state(model, floats)))
+  return model
 
 
 def adapters_off(params: nnx.State) -> nnx.State:
@@ -218,23 +237,37 @@ def adapters_off(params: nnx.State) -> nnx.State:
 
 
 def merge_adapters(model: nnx.Module) -> nnx.Module:
-  """``model`` with each adapter folded into its kernel (W + (alpha / r) A B) and removed, in
-  place (returned): the model a Hugging Face checkpoint holds."""
+  """``model`` with each adapter folded into its kernel (W + (alpha / r) A B) and removed, and
+  every quantized kernel stored as the values it stands for, in place (returned): the model a
+  Hugging Face checkpoint holds."""
   for path, kernel in merged_kernels(model).items():
     linear = _at(model, path[:-1])
-    linear.kernel[...] = kernel
+    if isinstance(linear.kernel, layers.QuantizedKernel):
+      axes = sharding_lib.logical_axes(linear.kernel.qvalue)
+      linear.kernel = nnx.Param(kernel, out_sharding=axes, eager_sharding=False)
+    else:
+      linear.kernel.set_value(kernel)
     linear.lora = nnx.data(None)
   return model
 
 
+def kernel_value(linear: layers.Linear) -> Array:
+  """A projection's kernel [in, out]: its parameter, or what a quantized one stands for."""
+  if isinstance(linear.kernel, layers.QuantizedKernel):
+    return linear.kernel.dequantized().astype(linear.kernel.scale.dtype)
+  return linear.kernel[...]
+
+
 def merged_kernels(model: nnx.Module) -> dict[tuple[Any, ...], Array]:
-  """Path of each adapted kernel -> W + (alpha / r) A B [in, out] in the kernel's dtype (what
+  """Path of each adapted or quantized kernel -> W + (alpha / r) A B [in, out] (W dequantized;
+  no adapter: W alone) in the model's parameter dtype, not the frozen base's storage (what
   PEFT's merge computes, W_torch + (alpha / r) B_torch A_torch, in our [in, out] layout)."""
+  dtype = model.config.param_dtype
   merged = {}
   for path in projections(model).values():
     linear = _at(model, path)
-    if linear.lora is not None:
-      kernel = linear.kernel[...]
-      merged[path + ("kernel",)] = (kernel.astype(jnp.float32)
-                                    + linear.lora.delta()).astype(kernel.dtype)
+    if linear.lora is not None or isinstance(linear.kernel, layers.QuantizedKernel):
+      kernel = kernel_value(linear)
+      delta = 0.0 if linear.lora is None else linear.lora.delta()
+      merged[path + ("kernel",)] = (kernel.astype(jnp.float32) + delta).astype(dtype)
   return merged

@@ -327,7 +327,7 @@ def model_config(config: ml_collections.ConfigDict, tokenizer=None) -> Any:
 
 
 # How a LoRA run's frozen base is stored (model.lora.base_dtype).
-LORA_BASE_DTYPES = ("bfloat16", "float32")
+LORA_BASE_DTYPES = lora_lib.BASE_DTYPES
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Family, Any]:

@@ -272,12 +272,15 @@ def _copy_files(source: epath.Path, target: epath.Path) -> None:
 
 
 def with_lora(config: ml_collections.ConfigDict, model: nnx.Module, mesh=None) -> nnx.Module:
-  """``model`` with ``config.model.lora``'s adapters (rank 0: as it is), created over ``mesh``."""
+  """``model`` with ``config.model.lora``'s adapters (rank 0: as it is), created over ``mesh``,
+  and its frozen base stored as ``model.lora.base_dtype`` (``lora.store_base``)."""
   section = config.model.get("lora")  # A workdir of an older version has none.
   spec = None if section is None else lora_lib.spec_of(section)
-  if spec is None or lora_lib.has_adapters(model):  # Rank 0, or a PEFT adapter's (build_model).
+  if spec is None:
     return model
-  return lora_lib.add_adapters(model, spec, seed=config.seed, mesh=mesh)
+  if not lora_lib.has_adapters(model):  # A PEFT adapter's are kept (build_model).
+    lora_lib.add_adapters(model, spec, seed=config.seed, mesh=mesh)
+  return lora_lib.store_base(model, section.get("base_dtype", "bfloat16"))
 
 
 def make_update(run: run_spec.RunSpec, graphdef: Any, tx, state_shardings: Any, mesh):
@@ -304,9 +307,6 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
   graphdef, params = nnx.split(nnx.eval_shape(lambda: with_lora(
       config, models.init_model(model_cfg, seed=config.seed))), nnx.Param)
   run = specs.resolve_run(config, model_cfg)
-  if run.lora:
-    params = jax.eval_shape(lambda p: lora_lib.cast_base(
-        p, jnp.dtype(config.model.lora.base_dtype)), params)
   params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
                         params, models.param_shardings(params, mesh))
   tx = optimizer_lib.make_optimizer(config.optimizer,
@@ -480,8 +480,6 @@ class Trainer:
     # The reference for KL terms is the start of RL, frozen: with LoRA the base itself (the
     # adapters off), without a copy.
     self.run_spec = specs.resolve_run(config, self.model_config)
-    if self.run_spec.lora:
-      params = lora_lib.cast_base(params, jnp.dtype(config.model.lora.base_dtype))
     note = specs.estimator_note(config)
     if note and self.primary:
       print(note, file=sys.stderr, flush=True)
