@@ -17,6 +17,9 @@ gen; K Monte Carlo samples; the paper's StableDRL setting: block_random masks, S
               computes them), the objective, the backward pass (docs/training.md).
   train_step  `train_step.make_update_fn`: the train core plus gradient clipping, AdamW and the
               non-finite check, state donated (what the trainer runs per inner iteration).
+  train_step_lora<r>  (``--lora_rank r``) the same with rank-r LoRA adapters on every projection
+              and the base frozen in bfloat16: only the adapters are differentiated and held by
+              AdamW (docs/training.md, "LoRA"). Its FLOPs are counted as the full step's.
   sampler     `models/llada/sampler.generate` on the N rollout rows (temperature 0.9, low-confidence
               remasking, `--steps` model calls).
 
@@ -177,13 +180,20 @@ def train_core_case(name: str, model: nnx.Module, w: Workload) -> Case:
               shape=dict(sequences=w.sequences, num_samples=w.num_samples, length=w.length))
 
 
-def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
+# A LoRA train step's adapters (--lora_rank): every projection of LLaDA, alpha = 2 r.
+LORA_TARGETS = "q_proj,k_proj,v_proj,attn_out,ff_proj,up_proj,ff_out"
+
+
+def train_step_case(name: str, model: nnx.Module, w: Workload, lora_rank: int = 0) -> Case:
   c = rl_config(w)
+  if lora_rank:  # A fresh copy with adapters, the base frozen in bfloat16 (trainer.with_lora).
+    c.model.lora.update(rank=lora_rank, alpha=2.0 * lora_rank, targets=LORA_TARGETS)
+    model = trainer.with_lora(c, models.LLaDA(model.config, rngs=nnx.Rngs(0)))
   mesh = mesh_lib.make_mesh(c.mesh, jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optimizer.make_optimizer(c.optimizer, c.train.num_steps * c.train.num_iterations)
-  state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0))(params)
   run = specs.resolve_run(c, model.config)
+  state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0, lora=run.lora))(params)
   spec = run.likelihood
   update = trainer.make_update(run, graphdef, tx, jax.tree.map(lambda x: x.sharding, state), mesh)
   batch = rollout_batch(model.config, w)
@@ -196,7 +206,7 @@ def train_step_case(name: str, model: nnx.Module, w: Workload) -> Case:
     return metrics
 
   rows = w.sequences * w.num_samples
-  return Case(name, "train_step", call,
+  return Case(name, f"train_step_lora{lora_rank}" if lora_rank else "train_step", call,
               flops=flops_lib.train_flops(model.config, rows, w.length, span=spec.scored_suffix),
               tokens=rows * w.length, memory=memory,
               shape=dict(sequences=w.sequences, num_samples=w.num_samples, length=w.length))
@@ -278,6 +288,7 @@ def build_cases(args, dtype) -> list[Case]:
           flush=True)
     cases += [forward_case(name, model, base), train_core_case(name, model, base),
               train_step_case(name, model, base),
+              *([train_step_case(name, model, base, args.lora_rank)] if args.lora_rank else []),
               sampler_case(name, model, base, args.temperature)]
     if name != args.scaling_config or args.no_scaling:
       continue
@@ -380,6 +391,9 @@ def main():
                       help="square matmul sizes; the fastest is the peak")
   parser.add_argument("--peak_seconds", type=float, default=0.5,
                       help="chain the peak matmul to last about this long per call")
+  parser.add_argument("--lora_rank", type=int, default=0,
+                      help="also a LoRA train step (adapters of this rank on every projection, "
+                      "the base frozen in bfloat16): train_step_lora<r>")
   parser.add_argument("--scaling_config", default="small")
   parser.add_argument("--scale_group_sizes", type=_ints, default=[2, 4, 8])
   parser.add_argument("--scale_num_samples", type=_ints, default=[1, 2, 4])

@@ -526,3 +526,28 @@ def test_a_sweep_run_cut_by_a_signal_is_not_recorded_as_finished(tmp_path, monke
   assert [h["step"] for h in done.history] == [1, 2]  # resumed in place, not started anew
   assert sweep.train_from_start(config, str(start), str(tmp_path / "run"), reuse=True).history \
       == done.history and len(runs) == 2  # finished: read back
+
+
+def test_the_lora_hardware_table_says_which_rows_run(tmp_path):
+  """experiments/lora_hardware.py renders the planner's rows: a config runs on a slice when its
+  train step and its sampler fit (as given, or with the planner's recommended settings)."""
+  module = _load_experiment("lora_hardware")
+  gib = 2**30
+
+  def row(config, topology, what, total, fits, recommended=None):
+    return {"config": config, "topology": topology, "what": what, "fits": fits,
+            "memory": {"total": total * gib} if fits or total else None,
+            "per_chip_bytes": total * gib, "recommended": recommended, "chip_bytes": 16 * gib}
+
+  lora_config, full_config = module.RUNS[0][0], module.RUNS[-1][0]
+  rows = [row(lora_config, "v5litepod-8", "train", 9.5, True),
+          row(lora_config, "v5litepod-8", "sampler", 20, False, {"rollout.microbatch_groups": 8}),
+          row(full_config, "v5litepod-8", "train", 40, False),
+          row(full_config, "v5litepod-8", "sampler", 6, True)]
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps({"rows": rows}))
+  lines = module.table(str(path)).splitlines()
+  assert len(lines) == 4  # Header, rule, the two slices compiled.
+  assert lines[2].startswith(f"| `{lora_config}` (") and lines[2].endswith(
+      "| v5litepod-8 | 9.5 | 20.0 (fits with rollout.microbatch_groups=8) | 16.0 | yes |")
+  assert lines[3].endswith("| v5litepod-8 | 40.0 | 6.0 | 16.0 | **no** |")
