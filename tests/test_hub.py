@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from stabledrl_jax import hub, models
@@ -160,3 +161,29 @@ def test_evaluate_refuses_bad_settings_from_a_hub_ids_config_alone(tmp_path, mon
   with pytest.raises(ValueError, match=rf"^{REPO_ID} \(a llada checkpoint\): remasking must be"):
     evaluate.run(options)
   assert not (tmp_path / "out").exists()
+
+
+def test_a_peft_adapter_loads_by_hub_id_on_the_base_it_names(tmp_path, monkeypatch):
+  """A released adapter (d1's, ESPO's) by Hub id: its adapter_config.json names the base, itself
+  a Hub id, and both come from the cache."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import lora, peft_io  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+  cache = _hub_cache(tmp_path / "cache")
+  adapter_id = REPO_ID + "-lora"
+  repo = cache / ("models--" + adapter_id.replace("/", "--"))
+  (repo / "refs").mkdir(parents=True)
+  (repo / "refs" / "main").write_text(COMMIT)
+  base = models.from_pretrained(str(cache / ("models--" + REPO_ID.replace("/", "--"))
+                                    / "snapshots" / COMMIT))
+  lora.add_adapters(base, lora.LoRASpec(2, 4.0, ("q_proj", "v_proj")), seed=0)
+  for i, adapter in enumerate(lora.adapters_of(base).values()):
+    adapter.b[...] = jax.random.normal(jax.random.key(i), adapter.b.shape)
+  peft_io.save_adapter(base, str(repo / "snapshots" / COMMIT), base=REPO_ID)
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  loaded = models.from_pretrained(adapter_id)
+  tokens = (np.arange(12).reshape(1, 12) * 977) % loaded.config.vocab_size
+  np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(base(tokens)))
+  assert checkpoint_source.resolve(adapter_id).kind == checkpoint_source.PEFT

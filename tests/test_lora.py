@@ -148,6 +148,14 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
   assert sorted(moments) == sorted(2 * [x.shape for x in jax.tree.leaves(a1)])
   trained = train_step.trained(run.state.params, lora=True)
   assert len(jax.tree.leaves(trained)) == len(jax.tree.leaves(a1))
+  # The checkpoint holds the adapters (and their moments), not the base: rebuilt at resume.
+  from stabledrl_jax.training import checkpointing, lora_base  # pylint: disable=g-import-not-at-top
+  reader = checkpointing.Checkpointer(str(tmp_path), read_only=True)
+  assert sorted(reader.stored_fields(2)["params"]) == sorted(x.shape for x in jax.tree.leaves(a1))
+  assert reader.restore_meta(2)[lora_base.META_KEY] == {
+      "source": "init", "base_dtype": base_dtype,
+      "fingerprint": lora_base.identity(config, tmp_path)["fingerprint"]}
+  reader.close()
   # The rerun resumes the adapters where they were.
   resumed = trainer.Trainer(config, str(tmp_path))
   assert resumed.start_step == 2

@@ -289,6 +289,18 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
   with pytest.raises(ValueError, match=r"^config\.model\.lora: rank=8, alpha=16, targets=.* do "
                      r"not describe the adapter model\.checkpoint=.* \(r=4, lora_alpha=8, "):
     trainer.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.tokenizer, run.mesh)
+  # The checkpoints hold the adapters; a base that changed since is refused, naming both.
+  file = workdir / trainer.SFT_DIR / "model.safetensors"
+  tensors = load_file(str(file))
+  name = sorted(tensors)[0]
+  tensors[name] = tensors[name] + 1.0
+  save_file(tensors, str(file), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"holds LoRA adapters trained on the base .*sft_model' "
+                     r"\(stored as float32, fingerprint [0-9a-f]{12}\), but this run's base is"):
+    trainer.Trainer(config, str(workdir))
+  with pytest.raises(ValueError, match="holds LoRA adapters trained on the base"):
+    checkpoint_source.load_model(checkpoint_source.resolve(str(workdir)), mesh=run.mesh,
+                                 dtype=jnp.float32)
 
 
 def test_a_lora_run_from_a_fresh_model_exports_merged_only(tmp_path):

@@ -36,7 +36,8 @@ from flax import nnx
 from stabledrl_jax import hub, models, tokenizers
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import hf_io, peft_io
-from stabledrl_jax.training import checkpointing, config_lib, data, specs, trainer
+from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax.training import checkpointing, config_lib, data, lora_base, specs, trainer
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
@@ -279,7 +280,7 @@ def model_has_adapters(source: CheckpointSource) -> bool:
   return bool(lora and lora.rank)
 
 
-def _unwrapped(checkpoint: str) -> str:
+def unwrapped(checkpoint: str) -> str:
   """A ``model.checkpoint``, or the base it names if it is a PEFT adapter."""
   local = hub.local_path(checkpoint, files=(hf_io.CONFIG_FILE,) + peft_io.FILES)
   if peft_io.is_adapter_dir(local):
@@ -297,7 +298,7 @@ def adapter_base(source: CheckpointSource) -> str | None:
     return None
   start = source.config.model.checkpoint
   if start:
-    start = _unwrapped(start)
+    start = unwrapped(start)
     return start if hub.is_hub_id(start) else os.path.abspath(start)
   sft = os.path.join(source.path, trainer.SFT_DIR)
   return sft if is_huggingface_dir(sft) else None
@@ -305,7 +306,7 @@ def adapter_base(source: CheckpointSource) -> str | None:
 
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
-    start = hub.local_path(_unwrapped(config.model.checkpoint), files=(hf_io.CONFIG_FILE,))
+    start = hub.local_path(unwrapped(config.model.checkpoint), files=(hf_io.CONFIG_FILE,))
     if not os.path.isfile(os.path.join(start, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
@@ -321,6 +322,14 @@ def model_config(source: CheckpointSource, *, dtype: Any) -> Any:
   return _workdir_model_config(source.config, dtype)
 
 
+def _base_model(source: CheckpointSource, model_config: Any, dtype: Any, mesh) -> Any:
+  """The model a LoRA workdir's run began from (``lora_base.source``), in ``dtype``."""
+  where = lora_base.source(source.config, source.path)
+  if where == "init":
+    return models.init_model(model_config, seed=source.config.seed, mesh=mesh)
+  return models.from_pretrained(where, dtype=dtype, mesh=mesh)
+
+
 def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> Any:
   """The model of ``source`` (of any registered family) in ``dtype`` (parameters and
   compute), sharded over ``mesh``."""
@@ -328,19 +337,31 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
     return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)
   if source.kind == PEFT:
     return peft_io.from_pretrained(source.path, dtype=dtype, mesh=mesh)
-  model_config = _workdir_model_config(source.config, dtype)
-  # A LoRA run's checkpoint holds its adapters and base: restored as trained.
+  config = source.config
+  model_config = _workdir_model_config(config, dtype)
   abstract = nnx.eval_shape(lambda: trainer.with_lora(
-      source.config, models.init_model(model_config, seed=0)))
+      config, models.init_model(model_config, seed=0)))
   graphdef, params = nnx.split(abstract, nnx.Param)
-  target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                 sharding=sharding),
-                        params, models.param_shardings(params, mesh))
   checkpointer = checkpointing.Checkpointer(source.path, read_only=True)
   try:
+    stored = checkpointer.stored_fields(source.step).get("params", [])
+    base = None
+    if model_has_adapters(source) and lora_base.holds_adapters_only(stored, params):
+      # The checkpoint holds the adapters; the frozen base is rebuilt where the run began.
+      lora_base.check(checkpointer.restore_meta(source.step).get(lora_base.META_KEY),
+                      lora_base.identity(config, source.path),
+                      f"{source.path}/checkpoints/{source.step}")
+      model = trainer.with_lora(config, _base_model(source, model_config, dtype, mesh), mesh)
+      graphdef, full = nnx.split(model, nnx.Param)
+      params, base = lora_lib.split(full)
+    target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=sharding),
+                          params, models.param_shardings(params, mesh))
     params = checkpointer.restore_params(source.step, target)
   finally:
     checkpointer.close()
+  if base is not None:
+    params = lora_lib.join(params, base)
   bad = checkpointing.nonfinite_leaves(params)
   if bad:
     raise ValueError(f"checkpoint step {source.step} of {source.path} holds non-finite "

@@ -51,7 +51,7 @@ from flax import nnx
 
 from stabledrl_jax import hub, input_files, models, profiling, tasks, workdir_files
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import checkpointing, data, decoding, mesh as mesh_lib
+from stabledrl_jax.training import checkpointing, data, decoding, lora_base, mesh as mesh_lib
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import metrics_writer, multihost, preemption
 from stabledrl_jax.training import optimizer as optimizer_lib
@@ -500,6 +500,8 @@ class Trainer:
         p, self.tx, config.seed, self.run_spec.initial_state(), lora=self.run_spec.lora),
                     out_shardings=self.state_shardings)(params)
     self.start_step = 0
+    self.base_identity = (lora_base.identity(config, self.workdir) if self.run_spec.lora
+                          else None)
     if latest is not None:
       state, meta = self._restore(state)
       self.data_iter.restore(meta["data"])
@@ -564,12 +566,21 @@ class Trainer:
         continue
       if "config" in meta:
         checkpointing.check_resume(self.config, meta["config"], where)
+      adapters_only = self.run_spec.lora and lora_base.holds_adapters_only(
+          stored.get("params", []), state.params)
+      if adapters_only:  # This version's LoRA checkpoint: the base is this run's own.
+        lora_base.check(meta.get(lora_base.META_KEY), self.base_identity, where)
+        fields["params"] = lora_base.saved_params(abstract.params)
+      else:
+        fields["params"] = abstract.params
       item = _restore_item(fields, stored, where)
       try:
         restored, meta = self.checkpointer.restore(step, item)
       except Exception as error:  # pylint: disable=broad-except
         damaged.append((step, f"it cannot be restored ({_one_line(error)})"))
         continue
+      if adapters_only:
+        restored["params"] = lora_lib.join(restored["params"], lora_lib.split(state.params)[1])
       restored = _restored_state(state, restored)
       bad = checkpointing.nonfinite_leaves(restored.params)
       if bad:
@@ -781,7 +792,11 @@ class Trainer:
   def _save(self, step: int) -> None:
     meta = {"data": self.data_iter.state(), "processes": jax.process_count(),
             "config": json.loads(self.config.to_json_best_effort())}
-    self.checkpointer.save(step, self.state, meta)
+    state = self.state
+    if self.run_spec.lora:  # The adapters and their moments; the base is rebuilt (lora_base).
+      state = state.replace(params=lora_base.saved_params(state.params))
+      meta[lora_base.META_KEY] = self.base_identity
+    self.checkpointer.save(step, state, meta)
 
   def run(self) -> list[dict[str, Any]]:
     """Trains from the latest checkpoint (or the start) to ``train.num_steps``, or until a
@@ -938,8 +953,10 @@ def _mean_sequence_gap(now: jax.Array, start: jax.Array, completion_mask: jax.Ar
 
 
 def needs_start(config: ml_collections.ConfigDict) -> bool:
-  """Whether a run keeps the start of RL: a KL reference, or the kl_to_start diagnostic."""
-  return specs.uses_reference(config) or bool(config.diagnostics.get("kl_to_start", False))
+  """Whether a resumed run needs its start of RL: a KL reference, the kl_to_start diagnostic,
+  or a LoRA run's frozen base (its checkpoints hold the adapters only: ``lora_base``)."""
+  return (specs.uses_reference(config) or bool(config.diagnostics.get("kl_to_start", False))
+          or bool(config.model.lora.rank))
 
 
 def resumed_start(config: ml_collections.ConfigDict, workdir, mesh) -> nnx.Module:
@@ -947,8 +964,8 @@ def resumed_start(config: ml_collections.ConfigDict, workdir, mesh) -> nnx.Modul
   path = epath.Path(workdir) / SFT_DIR
   if not (path / "config.json").exists():
     raise ValueError(f"{path}: the supervised start is gone, and the run's KL reference "
-                     "(or diagnostics.kl_to_start) is measured against it; restore it, or "
-                     "start the run in a new workdir")
+                     "(or diagnostics.kl_to_start, or a LoRA run's frozen base) is it; restore "
+                     "it, or start the run in a new workdir")
   return _check_loaded(config, _load_pretrained(path, mesh, config), path)
 
 

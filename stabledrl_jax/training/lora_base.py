@@ -1,0 +1,101 @@
+"""A LoRA run's checkpoints hold its adapters, not its frozen base (docs/training.md, "LoRA").
+
+The base is rebuilt where the run began: ``model.checkpoint`` (a PEFT adapter's base, if it is
+one), else the supervised start ``<workdir>/sft_model``, else a fresh initialization of
+``model.name`` from ``seed``; then ``model.lora.base_dtype`` stores it as at the start
+(``trainer.with_lora``). Each checkpoint's meta records the base's identity, ``identity()``: where
+it comes from and a fingerprint of it (SHA-256 of each safetensors file's size, header (tensor
+names, shapes, dtypes, offsets) and first and last MiB of data; of the model config and seed
+for a fresh one). A resume whose base has another identity is refused in one line: the adapters
+were trained on another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from etils import epath
+
+from stabledrl_jax import hub
+from stabledrl_jax.models import lora as lora_lib
+
+META_KEY = "lora_base"
+_SAMPLE = 1 << 20  # Bytes of data hashed at each end of a safetensors file.
+
+
+def source(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> str:
+  """Where the frozen base of ``config``'s run comes from: a checkpoint path or Hub id, the
+  workdir's ``sft_model``, or 'init' (a fresh model of ``model.name`` from ``seed``)."""
+  if config.model.checkpoint:
+    return config.model.checkpoint
+  if config.sft.num_steps:
+    return os.fspath(epath.Path(workdir) / "sft_model")
+  return "init"
+
+
+def fingerprint_dir(path: str) -> str:
+  """SHA-256 over the safetensors files of a checkpoint directory: each file's name, size,
+  header and first and last MiB (a fingerprint, not a hash of every byte: it reads a few MiB of
+  an 8B model)."""
+  digest = hashlib.sha256()
+  names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+  if not names:
+    raise ValueError(f"{path} has no safetensors files to identify the LoRA base by")
+  for name in names:
+    file = os.path.join(path, name)
+    size = os.path.getsize(file)
+    digest.update(f"{name}:{size}".encode())
+    with open(file, "rb") as f:
+      header = f.read(8)
+      length = int.from_bytes(header, "little") if len(header) == 8 else 0
+      digest.update(header + f.read(min(length, size)))
+      digest.update(f.read(_SAMPLE))
+      f.seek(max(size - _SAMPLE, 0))
+      digest.update(f.read(_SAMPLE))
+  return digest.hexdigest()
+
+
+def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict[str, Any]:
+  """{"source", "base_dtype", "fingerprint"} of the frozen base of ``config``'s LoRA run."""
+  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+  where = source(config, workdir)
+  if where == "init":
+    model = {k: v for k, v in json.loads(config.model.to_json_best_effort()).items()
+             if k != "lora"}
+    text = json.dumps({"model": model,
+                       "tokenizer": json.loads(config.tokenizer.to_json_best_effort()),
+                       "seed": config.seed}, sort_keys=True)
+    mark = hashlib.sha256(text.encode()).hexdigest()
+  else:
+    base = checkpoint_source.unwrapped(where)  # A PEFT adapter: its base.
+    mark = fingerprint_dir(hub.local_path(base))
+  return {"source": where, "base_dtype": config.model.lora.base_dtype, "fingerprint": mark}
+
+
+def check(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
+  """ValueError in one line if checkpoint ``where``'s base (its meta's ``saved`` identity) is
+  not the one this run rebuilt."""
+  if saved is None or saved == current:
+    return
+  raise ValueError(f"{where} holds LoRA adapters trained on the base {saved['source']!r} "
+                   f"(stored as {saved['base_dtype']}, fingerprint {saved['fingerprint'][:12]}), "
+                   f"but this run's base is {current['source']!r} (stored as "
+                   f"{current['base_dtype']}, fingerprint {current['fingerprint'][:12]}): "
+                   "restore that base, or start a new --workdir")
+
+
+def saved_params(params: Any) -> Any:
+  """What a LoRA run's checkpoint holds of its parameters: the adapters."""
+  return lora_lib.split(params)[0]
+
+
+def holds_adapters_only(stored_params: list[tuple[int, ...]], params: Any) -> bool:
+  """Whether a checkpoint whose ``params`` arrays have ``stored_params`` shapes holds the
+  adapters alone (this version) rather than adapters and base (before it)."""
+  adapters = sorted(tuple(x.shape) for x in jax.tree.leaves(saved_params(params)))
+  return sorted(stored_params) == adapters
