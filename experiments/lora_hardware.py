@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import quickstart_seeds  # pylint: disable=g-import-not-at-top,wrong-import-position  (its writer)
 
 # (config, what it is, slices). The sampler is the same program for every objective on a base of
 # one storage, so it is compiled for one config of each.
@@ -28,7 +30,7 @@ RUNS = [
     ("llada8b_d1:gsm8k", "LoRA r 128, NF4 base (d1, SPG, wd1)", ["v5litepod-8", "cpu:1"]),
     ("llada8b_gsm8k", "StableDRL, every parameter (the paper's)", ["v5litepod-8", "v6e-8"]),
 ]
-BEGIN, END = "<!-- lora-hardware:begin -->", "<!-- lora-hardware:end -->"
+MARKER = "lora-hardware"  # The README's <!-- lora-hardware:begin --> ... :end -->.
 _NAMES = {"cpu:1": "one 80 GB GPU (XLA:CPU bound)"}
 
 
@@ -60,8 +62,10 @@ def table(output: str) -> str:
         if r is None:
           return "", None
         need = r["memory"]["total"] if r.get("memory") else r.get("per_chip_bytes")
-        note = "" if r.get("fits") or not r.get("recommended") else " (fits with " + ", ".join(
-            f"{k}={v}" for k, v in r["recommended"].items()) + ")"
+        changed = {k: v for k, v in (r.get("recommended") or {}).items()
+                   if r.get("settings", {}).get(k) != v}
+        note = "" if r.get("fits") or not changed else " (fits with " + ", ".join(
+            f"{k}={v}" for k, v in changed.items()) + ")"
         return _gb(need) + note, r.get("fits") or bool(r.get("recommended"))
 
       (train, train_ok), (sampler, sampler_ok) = size("train"), size("sampler")
@@ -70,16 +74,6 @@ def table(output: str) -> str:
       lines.append(f"| `{config}` ({what}) | {_NAMES.get(topology, topology)} | {train} | "
                    f"{sampler} | {_gb(chip)} | {runs} |")
   return "\n".join(lines)
-
-
-def rewrite_readme(path: str, text: str) -> None:
-  with open(path) as f:
-    readme = f.read()
-  pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), flags=re.DOTALL)
-  if not pattern.search(readme):
-    raise ValueError(f"{path} has no {BEGIN} ... {END} markers")
-  with open(path, "w") as f:
-    f.write(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", readme))
 
 
 def main(argv=None) -> int:
@@ -98,7 +92,7 @@ def main(argv=None) -> int:
   text = table(args.output)
   print(text)
   if args.readme:
-    rewrite_readme(args.readme, text)
+    quickstart_seeds.rewrite_readme(args.readme, text, MARKER)
   return 0
 
 

@@ -445,7 +445,7 @@ def test_a_path_that_is_no_checkpoint(tmp_path, hf_checkpoint, workdir):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     checkpoint_source.resolve(str(tmp_path / "missing"))
   (tmp_path / "config.json").write_text("{}")
-  with pytest.raises(ValueError, match="neither a training workdir .* nor a Hugging Face"):
+  with pytest.raises(ValueError, match="neither a training workdir .*, a Hugging Face .* nor a PEFT adapter"):
     checkpoint_source.resolve(str(tmp_path))
   with pytest.raises(ValueError, match=r"no checkpoint of step 7; it has \[1, 2\]"):
     checkpoint_source.resolve(str(workdir[0]), step=7)

@@ -536,12 +536,14 @@ def test_the_lora_hardware_table_says_which_rows_run(tmp_path):
 
   def row(config, topology, what, total, fits, recommended=None):
     return {"config": config, "topology": topology, "what": what, "fits": fits,
+            "settings": {"rollout.cache": "dual", "rollout.microbatch_groups": 32},
             "memory": {"total": total * gib} if fits or total else None,
             "per_chip_bytes": total * gib, "recommended": recommended, "chip_bytes": 16 * gib}
 
   lora_config, full_config = module.RUNS[0][0], module.RUNS[-1][0]
   rows = [row(lora_config, "v5litepod-8", "train", 9.5, True),
-          row(lora_config, "v5litepod-8", "sampler", 20, False, {"rollout.microbatch_groups": 8}),
+          row(lora_config, "v5litepod-8", "sampler", 20, False,
+              {"rollout.cache": "dual", "rollout.microbatch_groups": 8}),
           row(full_config, "v5litepod-8", "train", 40, False),
           row(full_config, "v5litepod-8", "sampler", 6, True)]
   path = tmp_path / "plan.json"
