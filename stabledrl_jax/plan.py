@@ -466,7 +466,8 @@ def _state_bytes(what: str, config, devices) -> dict[str, int]:
                 optimizer_bytes=_shard_bytes(state.opt_state), batch_bytes=_shard_bytes(batch))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model_cfg = specs.model_config(config)
-  state = nnx.state(nnx.eval_shape(lambda: models.init_model(model_cfg, seed=0)))
+  state = nnx.state(nnx.eval_shape(lambda: trainer.with_lora(
+      config, models.init_model(model_cfg, seed=0))))
   state = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state,
                        models.param_shardings(state, mesh))
   r = config.rollout

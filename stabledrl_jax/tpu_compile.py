@@ -146,7 +146,9 @@ def compile_decode(config: ml_collections.ConfigDict, devices, settings: decodin
   start = time.perf_counter()
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model_cfg = specs.model_config(config)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.init_model(model_cfg, seed=0)))
+  # A LoRA run samples with its adapters on the base as stored (bfloat16, int8, 4-bit).
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: trainer.with_lora(
+      config, models.init_model(model_cfg, seed=0))))
   state = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state,
                        models.param_shardings(state, mesh))
   r = config.rollout

@@ -332,3 +332,16 @@ def test_store_base_quantizes_every_projection_but_the_head_and_merge_restores_f
   np.testing.assert_allclose(np.asarray(model(tokens)), logits, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match=r"base_dtype: 'int3' is not one of"):
     lora.store_base(model, "int3")
+
+
+def test_the_planned_sampler_of_a_lora_run_samples_with_its_stored_base():
+  """tpu_compile.compile_decode (the planner's sampler rows) builds the model as the run holds
+  it: adapters on a bfloat16 or 4-bit base, not the float32 master weights of a full run."""
+  from stabledrl_jax import tpu_compile  # pylint: disable=g-import-not-at-top
+  sizes = {}
+  for rank, base in ((0, "bfloat16"), (4, "bfloat16"), (4, "int4")):
+    config = tiny_config(**{"model.lora.rank": rank, "model.lora.base_dtype": base})
+    result = tpu_compile.compile_decode(config, jax.devices()[:1],
+                                        tpu_compile.rollout_decoding(config))
+    sizes[rank, base] = result.memory["argument"]
+  assert sizes[4, "int4"] < sizes[4, "bfloat16"] < sizes[0, "bfloat16"], sizes
