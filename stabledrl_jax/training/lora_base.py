@@ -43,14 +43,17 @@ def fingerprint_dir(path: str) -> str:
   header and first and last MiB (a fingerprint, not a hash of every byte: it reads a few MiB of
   an 8B model)."""
   digest = hashlib.sha256()
-  names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-  if not names:
+  directory = epath.Path(path)  # Local or gs:// (a supervised start in a gs:// workdir).
+  files = sorted((f for f in directory.iterdir() if f.name.endswith(".safetensors")),
+                 key=lambda f: f.name)
+  if not files:
     raise ValueError(f"{path} has no safetensors files to identify the LoRA base by")
-  for name in names:
-    file = os.path.join(path, name)
-    size = os.path.getsize(file)
-    digest.update(f"{name}:{size}".encode())
-    with open(file, "rb") as f:
+  for file in files:
+    with file.open("rb") as f:
+      f.seek(0, os.SEEK_END)
+      size = f.tell()
+      f.seek(0)
+      digest.update(f"{file.name}:{size}".encode())
       header = f.read(8)
       length = int.from_bytes(header, "little") if len(header) == 8 else 0
       digest.update(header + f.read(min(length, size)))
