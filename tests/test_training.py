@@ -825,10 +825,36 @@ def test_cached_rollouts_train_and_evaluation_stays_exact(tmp_path, monkeypatch)
     specs.validate(sweep.with_overrides(config, {"rollout.cache": "full"}))
 
 
-def _start_and_signal(workdir, signals, flags, env):
-  """Starts the CLI on ``workdir``; once it prints ``sft step 0`` sends ``signals`` (0.2 s
-  apart). Returns (exit code, output)."""
-  process = subprocess.Popen(_cli(workdir, *flags), env=env, stdout=subprocess.PIPE,
+# The command line with the supervised start's second step held 600 s inside one jitted call,
+# so that signals sent after step 0 land inside a step however fast the machine is.
+_SLOW_SFT = """
+import sys, time
+import jax, numpy as np
+from stabledrl_jax.training import supervised
+real, calls = supervised._sft_step, []
+
+def slow(*args, **kwargs):
+  calls.append(1)
+  if len(calls) == 2:
+    wait = lambda x: jax.pure_callback(lambda y: (time.sleep(600), y)[1],
+                                       jax.ShapeDtypeStruct((), np.float32), x)
+    jax.block_until_ready(jax.jit(wait)(np.float32(0)))
+  return real(*args, **kwargs)
+
+supervised._sft_step = slow
+from stabledrl_jax import train
+sys.argv = ["stabledrl_jax.train", *sys.argv[1:]]
+train.run()
+"""
+
+
+def _start_and_signal(workdir, signals, flags, env, *, slow=False):
+  """Starts the CLI on ``workdir`` (``slow``: its supervised step 1 takes 600 s); once it prints
+  ``sft step 0`` sends ``signals`` (0.2 s apart). Returns (exit code, output)."""
+  command = _cli(workdir, *flags)
+  if slow:
+    command = [sys.executable, "-c", _SLOW_SFT, *command[3:]]
+  process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
   lines = []
   try:
@@ -890,11 +916,12 @@ def test_a_signal_during_the_supervised_start_saves_it_and_the_rerun_continues(t
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_during_the_supervised_start_stops_at_once_and_cleanly(tmp_path):
-  """Two Ctrl-Cs: the run stops without saving, exit code 130 (not a segmentation fault from
-  XLA's threads outliving the interpreter), the workdir released; a rerun fits from step 0."""
+  """Two Ctrl-Cs inside a supervised step: the run stops without saving, exit code 130 (not a
+  segmentation fault from XLA's threads outliving the interpreter), the workdir released."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   workdir = tmp_path / "aborted"
-  code, out = _start_and_signal(workdir, [signal.SIGINT, signal.SIGINT], SFT_STOP_FLAGS, env)
+  code, out = _start_and_signal(workdir, [signal.SIGINT, signal.SIGINT], SFT_STOP_FLAGS, env,
+                                slow=True)
   assert code == 128 + signal.SIGINT, out
   assert "Interrupted again" in out and "Segmentation fault" not in out, out
   assert not (workdir / checkpointing.WorkdirLock.NAME).exists()

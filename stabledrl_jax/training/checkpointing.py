@@ -104,14 +104,16 @@ def _library_write_error(error: BaseException | None, tb) -> bool:
 
 
 class _QuietWriteErrors:
-  """An absl logging filter: drops the ERROR records (with tracebacks) that orbax's threads log
-  for an ``OSError`` of a save, which ``Checkpointer.wait`` then raises as one line. Only while
-  absl logs at WARNING or above (``--verbosity=0`` shows them)."""
+  """A filter on absl's handler (every logger's records reach it): drops the ERROR records, with
+  tracebacks, that orbax's threads log for an ``OSError`` of a save, and asyncio's "Task
+  exception was never retrieved" for orbax's write tasks when they are collected, both of
+  which ``Checkpointer.wait`` raises as one line. Only while absl logs at WARNING or above
+  (``--verbosity=0`` shows them)."""
 
   def filter(self, record) -> bool:
     if logging.get_verbosity() > logging.WARNING or record.levelno < 40:  # 40: ERROR
       return True
-    if "orbax" not in record.pathname:
+    if "orbax" not in record.pathname and "asyncio" not in record.pathname:
       return True
     if not record.exc_info:
       return True
@@ -121,8 +123,8 @@ class _QuietWriteErrors:
 def _quiet_library_noise() -> None:
   """Installed once: ``sys.unraisablehook`` drops ``_closed_loop_noise`` and a writer library's
   write errors at exit (tensorboardX's atexit flush); ``threading.excepthook`` drops a writer
-  library's thread dying of a write error; absl's logger drops orbax's logged write errors
-  (``_QuietWriteErrors``). Everything else passes on to the hooks set before."""
+  library's thread dying of a write error; absl's handler drops orbax's and asyncio's logged
+  write errors (``_QuietWriteErrors``). Everything else passes on to the hooks set before."""
   previous = sys.unraisablehook
   if getattr(previous, "_stabledrl_quiet", False):
     return
@@ -141,7 +143,7 @@ def _quiet_library_noise() -> None:
   unraisable_hook._stabledrl_quiet = True  # pylint: disable=protected-access
   sys.unraisablehook = unraisable_hook
   threading.excepthook = thread_hook
-  logging.get_absl_logger().addFilter(_QuietWriteErrors())
+  logging.get_absl_handler().addFilter(_QuietWriteErrors())
 
 
 class Checkpointer:
