@@ -71,9 +71,7 @@ from flax import nnx
 from stabledrl_jax import models, profiling
 from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.models.llada import flops as flops_lib
-from stabledrl_jax.training import config_lib, mesh as mesh_lib, optimizer, rl_loss
-from stabledrl_jax.training import specs
-from stabledrl_jax.training import train_step, trainer
+from stabledrl_jax.training import build, config_lib, mesh as mesh_lib, rl_loss, specs
 
 
 @dataclasses.dataclass
@@ -186,16 +184,15 @@ LORA_TARGETS = "q_proj,k_proj,v_proj,attn_out,ff_proj,up_proj,ff_out"
 
 def train_step_case(name: str, model: nnx.Module, w: Workload, lora_rank: int = 0) -> Case:
   c = rl_config(w)
-  if lora_rank:  # A fresh copy with adapters, the base frozen in bfloat16 (trainer.with_lora).
+  if lora_rank:  # A fresh copy with adapters, the base frozen in bfloat16 (build.with_lora).
     c.model.lora.update(rank=lora_rank, alpha=2.0 * lora_rank, targets=LORA_TARGETS)
-    model = trainer.with_lora(c, models.LLaDA(model.config, rngs=nnx.Rngs(0)))
+    model = build.with_lora(c, models.LLaDA(model.config, rngs=nnx.Rngs(0)))
   mesh = mesh_lib.make_mesh(c.mesh, jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
-  tx = optimizer.make_optimizer(c.optimizer, c.train.num_steps * c.train.num_iterations)
-  run = specs.resolve_run(c, model.config)
-  state = jax.jit(lambda p: train_step.create_train_state(p, tx, 0, lora=run.lora))(params)
-  spec = run.likelihood
-  update = trainer.make_update(run, graphdef, tx, jax.tree.map(lambda x: x.sharding, state), mesh)
+  parts = build.parts(c, mesh, graphdef, params, model.config)  # The trainer's build path.
+  state = build.initial_state(parts, params, seed=0)
+  spec = parts.run.likelihood
+  update = build.make_update(parts)
   batch = rollout_batch(model.config, w)
   key = jax.random.key(0)
   compiled, memory = _compiled(update, state, batch, key)

@@ -10,7 +10,7 @@ Rows, in this order (`--rows` selects; names or groups: train, sampler, peers, a
                        in the compute dtype); MFU is given against it and against the vendor's
                        dense bf16 figure (`profiling.PEAK_FLOPS`; H200: 989 TFLOP/s).
   train_xla            the bf16 train step (float32 master weights and AdamW moments, remat,
-  train_cudnn          scanned layers; `benchmark.train_step_case` = `trainer.make_update`) at
+  train_cudnn          scanned layers; `benchmark.train_step_case` = `build.make_update`) at
                        the paper's sequence shape: P x G rows of 256 prompt + 256 completion
                        tokens, K = 2, one group (G x K rows) per microbatch, for
                        `model.attention` = "xla" and "cudnn". FLOPs: `models.llada.flops`.

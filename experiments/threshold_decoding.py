@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from stabledrl_jax import tasks
-from stabledrl_jax.training import checkpoint_source, data, decoding, mesh as mesh_lib, trainer
+from stabledrl_jax.training import checkpoint_source, data, decoding, mesh as mesh_lib, supervised
 
 
 def load_source(workdir: str) -> checkpoint_source.CheckpointSource:
@@ -34,9 +34,9 @@ def load_source(workdir: str) -> checkpoint_source.CheckpointSource:
   try:
     return checkpoint_source.resolve(workdir)
   except ValueError:
-    start = os.path.join(workdir, trainer.SFT_DIR)
+    start = os.path.join(workdir, supervised.SFT_DIR)
     if not os.path.isdir(start):
-      raise FileNotFoundError(f"{workdir} has neither checkpoints nor {trainer.SFT_DIR}/") from None
+      raise FileNotFoundError(f"{workdir} has neither checkpoints nor {supervised.SFT_DIR}/") from None
     return checkpoint_source.resolve(start)
 
 
@@ -82,7 +82,7 @@ def main():
     row["calls_vs_low_confidence"] = row["model_calls"] / first["model_calls"]
     row["accuracy_vs_low_confidence"] = row["accuracy"] - first["accuracy"]
 
-  origin = f"checkpoint step {source.step}" if source.step is not None else trainer.SFT_DIR
+  origin = f"checkpoint step {source.step}" if source.step is not None else supervised.SFT_DIR
   print(f"{args.workdir} ({origin}): {len(prompts.examples)} held-out prompts, "
         f"gen_length {r.gen_length}, block_length {r.block_length}, greedy\n")
   print("| decoding | accuracy % | model calls / sequence | calls vs low_confidence | "

@@ -8,7 +8,7 @@ v5p-8 ... v5p-256, v6e-4 ... v6e-256, or a topology name, v5e:8x8) it compiles, 
 real TPU compiler on this host (no TPU needed; ``stabledrl_jax.tpu_compile``), from abstract
 inputs (nothing is allocated or run):
 
-  train     the configured train step (``trainer.abstract_update``)
+  train     the configured train step (``build.abstract_update``)
   sampler   the rollout sampler (``decoding.generate``), once per cache setting of the family
             (``--caches``; LLaDA: none / prefix / dual, SDAR: its own KV cache only) and
             remasking rule (``--remasking``: the configured rule, and the static / dynamic
@@ -454,22 +454,17 @@ def _state_bytes(what: str, config, devices) -> dict[str, int]:
   """Per device: the parameters' (and for train the optimizer's and the batch's) shards, and for
   the samplers the KV cache (2 x layers x rows x positions x kv heads x head dim, rows split over
   data x fsdp); from the abstract inputs, nothing compiled."""
-  import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax import models, profiling  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import specs, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import build, specs  # pylint: disable=g-import-not-at-top
   if what == "train":
-    _, state, batch, _ = trainer.abstract_update(config, devices)
+    _, state, batch, _ = build.abstract_update(config, devices)
     return dict(parameters_bytes=_shard_bytes(state.params),
                 optimizer_bytes=_shard_bytes(state.opt_state), batch_bytes=_shard_bytes(batch))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model_cfg = specs.model_config(config)
-  state = nnx.state(nnx.eval_shape(lambda: trainer.with_lora(
-      config, models.init_model(model_cfg, seed=0))))
-  state = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state,
-                       models.param_shardings(state, mesh))
+  _, state = build.abstract_params(config, mesh, model_cfg)
   r = config.rollout
   ways = mesh_lib.data_parallel_size(mesh)
   if what == "sampler":

@@ -8,7 +8,7 @@ compiler on this machine: the Pallas kernels (splash attention) are lowered for 
 ``profiling.compiled_memory`` of the result gives the bytes per chip. Nothing is allocated or run.
 
     devices = tpu_compile.topology_devices("v5e:2x2")
-    result = tpu_compile.compile_train_step(config, devices)   # trainer.abstract_update
+    result = tpu_compile.compile_train_step(config, devices)   # build.abstract_update
     result = tpu_compile.compile_decode(config, devices, tpu_compile.rollout_decoding(config))
     result.memory["total"], result.seconds, result.fits
 
@@ -32,7 +32,7 @@ from flax import nnx
 from stabledrl_jax import libtpu_env, models, profiling
 from stabledrl_jax.training import decoding as decoding_lib
 from stabledrl_jax.training import mesh as mesh_lib
-from stabledrl_jax.training import specs, trainer
+from stabledrl_jax.training import build, specs
 
 # HBM per chip (bytes), by `device_kind` (Cloud TPU's published sizes).
 CHIP_HBM_BYTES = {
@@ -122,9 +122,9 @@ def _result(what: str, start: float, compiled: Any, devices) -> Result:
 
 def compile_train_step(config: ml_collections.ConfigDict, devices, *,
                        what: str = "train_step") -> Result:
-  """The trainer's update of ``config`` (``trainer.abstract_update``) compiled on ``devices``."""
+  """The trainer's update of ``config`` (``build.abstract_update``) compiled on ``devices``."""
   start = time.perf_counter()
-  update, state, batch, key = trainer.abstract_update(config, devices)
+  update, state, batch, key = build.abstract_update(config, devices)
   with no_persistent_cache():
     compiled = update.lower(state, batch, key).compile()
   return _result(what, start, compiled, devices)
@@ -147,10 +147,7 @@ def compile_decode(config: ml_collections.ConfigDict, devices, settings: decodin
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model_cfg = specs.model_config(config)
   # A LoRA run samples with its adapters on the base as stored (bfloat16, int8, 4-bit).
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: trainer.with_lora(
-      config, models.init_model(model_cfg, seed=0))))
-  state = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state,
-                       models.param_shardings(state, mesh))
+  graphdef, state = build.abstract_params(config, mesh, model_cfg)
   r = config.rollout
   n = r.num_prompts * r.group_size if rows is None else rows
   sharding = models.batch_sharding(mesh, ndim=2)

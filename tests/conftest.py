@@ -15,11 +15,11 @@ def sft_start(tmp_path_factory, worker_id):
   """The tiny supervised start of ``test_training.tiny_config`` (copy it into a workdir with
   ``test_training.workdir_with_start``; never write into it)."""
   from test_training import tiny_config  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import supervised, trainer  # pylint: disable=g-import-not-at-top
 
   def fit(workdir):
     trainer.train(tiny_config(**{"train.num_steps": 0}), str(workdir))
-    return workdir / trainer.SFT_DIR
+    return workdir / supervised.SFT_DIR
 
   return shared_start(tmp_path_factory, worker_id, "sft", fit)
 
@@ -28,10 +28,10 @@ def sft_start(tmp_path_factory, worker_id):
 def sdar_start(tmp_path_factory, worker_id):
   """The tiny SDAR supervised start of ``test_sdar_training.sdar_config``."""
   from test_sdar_training import sdar_config  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import supervised, trainer  # pylint: disable=g-import-not-at-top
 
   def fit(workdir):
     trainer.train(sdar_config(**{"train.num_steps": 0}), str(workdir))
-    return workdir / trainer.SFT_DIR
+    return workdir / supervised.SFT_DIR
 
   return shared_start(tmp_path_factory, worker_id, "sdar_sft", fit)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from stabledrl_jax import evaluate, export, models, tokenizers
 from stabledrl_jax.models import hf_io
 from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, trainer
+from stabledrl_jax.training import supervised
 
 from test_hub import REPO_ID, _hub_cache
 from test_training import tiny_config
@@ -145,7 +146,7 @@ def _generations(output_dir):
 def test_an_export_evaluates_as_its_workdir(trained, tmp_path, which, capsys):
   """The same results.json, the same puzzles, prompts and completions: the workdir's held-out
   puzzles (an independent draw of data.make_examples) in its prompt style (no instruction)."""
-  checkpoint = trained if which == "workdir" else trained / trainer.SFT_DIR
+  checkpoint = trained if which == "workdir" else trained / supervised.SFT_DIR
   exported = tmp_path / "exported"
   export.export(str(checkpoint), str(exported))
   assert not (exported / "tokenizer.json").exists()  # a character tokenizer: in the config

@@ -89,7 +89,7 @@ def test_a_run_starts_from_a_hub_id(tmp_path, monkeypatch):
   """--config.model.checkpoint=OWNER/NAME and --config.tokenizer.path=OWNER/NAME: the trainer
   builds the model and tokenizer from the cache (validation passes; one rollout is decoded)."""
   from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import data, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import build, data  # pylint: disable=g-import-not-at-top
   cache = _hub_cache(tmp_path / "cache")
   monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
   monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -98,7 +98,7 @@ def test_a_run_starts_from_a_hub_id(tmp_path, monkeypatch):
   specs.validate(config, num_devices=1)
   tokenizer = data.make_tokenizer(config.tokenizer)
   assert tokenizer.mask_id == 126336
-  model = trainer.build_model(config, tokenizer, mesh=None)
+  model = build.build_model(config, tokenizer, mesh=None)
   assert model.config.n_layers == 1 and model.config.d_model == 16
 
 

@@ -14,6 +14,7 @@ from flax import nnx
 from stabledrl_jax import export, models
 from stabledrl_jax.models import layers, lora
 from stabledrl_jax.training import checkpoint_source, specs, train_step, trainer
+from stabledrl_jax.training import build
 
 from test_training import tiny_config
 
@@ -179,11 +180,11 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
 
 
 def test_the_ahead_of_time_update_of_a_lora_run_holds_less_than_a_full_one():
-  """``trainer.abstract_update`` (the planner's and the TPU compile's path) builds the adapters,
+  """``build.abstract_update`` (the planner's and the TPU compile's path) builds the adapters,
   the bfloat16 base and the adapters' optimizer state."""
   sizes = {}
   for rank, base in ((0, "bfloat16"), (4, "bfloat16"), (4, "int4")):
-    update, state, batch, key = trainer.abstract_update(tiny_config(**{
+    update, state, batch, key = build.abstract_update(tiny_config(**{
         "model.lora.rank": rank, "model.lora.base_dtype": base}))
     compiled = update.lower(state, batch, key).compile()
     sizes[rank, base] = compiled.memory_analysis().argument_size_in_bytes

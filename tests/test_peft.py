@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from stabledrl_jax import export, models
 from stabledrl_jax.models import hf_io, lora, peft_io
 from stabledrl_jax.training import checkpoint_source, trainer
+from stabledrl_jax.training import build, supervised
 
 import test_hf_io
 import test_sdar
@@ -265,7 +266,7 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
   assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors",
                                      "stabledrl_jax.json"]  # A character tokenizer: no files.
   record = json.loads((out / "adapter_config.json").read_text())
-  assert record["base_model_name_or_path"] == str(workdir / trainer.SFT_DIR)
+  assert record["base_model_name_or_path"] == str(workdir / supervised.SFT_DIR)
   source = checkpoint_source.resolve(str(out))
   assert source.kind == checkpoint_source.PEFT and source.config is not None
   loaded = checkpoint_source.load_model(source, mesh=run.mesh, dtype=jnp.float32)
@@ -278,19 +279,19 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
   # model.checkpoint = the adapter: rank 0 trains its merged weights; the same LoRA settings
   # train the adapter on; others are one line.
   start = {"model.checkpoint": str(out), "sft.num_steps": 0, "train.num_steps": 0}
-  full = trainer.build_model(tiny_config(**start), run.tokenizer, run.mesh)
+  full = build.build_model(tiny_config(**start), run.tokenizer, run.mesh)
   assert not lora.has_adapters(full)
   np.testing.assert_allclose(np.asarray(full(tokens)), trained, rtol=1e-4, atol=1e-4)
-  on = trainer.build_model(tiny_config(**start, **{"model.lora.rank": 4,
+  on = build.build_model(tiny_config(**start, **{"model.lora.rank": 4,
                                                    "model.lora.alpha": 8.0}),
                            run.tokenizer, run.mesh)
   assert lora.has_adapters(on)
   np.testing.assert_allclose(np.asarray(on(tokens)), trained, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match=r"^config\.model\.lora: rank=8, alpha=16, targets=.* do "
                      r"not describe the adapter model\.checkpoint=.* \(r=4, lora_alpha=8, "):
-    trainer.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.tokenizer, run.mesh)
+    build.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.tokenizer, run.mesh)
   # The checkpoints hold the adapters; a base that changed since is refused, naming both.
-  file = workdir / trainer.SFT_DIR / "model.safetensors"
+  file = workdir / supervised.SFT_DIR / "model.safetensors"
   tensors = load_file(str(file))
   name = sorted(tensors)[0]
   tensors[name] = tensors[name] + 1.0

@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from stabledrl_jax import models, objectives, scoring
 from stabledrl_jax.training import checkpointing, metrics_writer, specs, trainer
+from stabledrl_jax.training import build, supervised
 
 from test_training import _toy_update, tiny_config
 
@@ -193,7 +194,7 @@ def test_a_checkpoint_missing_an_item_falls_back(run, tmp_path):
 def test_non_finite_parameters_in_a_checkpoint_fall_back_naming_them(run, tmp_path, capsys):
   """Step 2 rewritten with one parameter NaN (as bit rot or a bad save could leave it)."""
   workdir = _copy(run, tmp_path)
-  _, abstract, _, _ = trainer.abstract_update(_quick())
+  _, abstract, _, _ = build.abstract_update(_quick())
   checkpointer = checkpointing.Checkpointer(workdir, async_save=False)
   state, meta = checkpointer.restore(2, abstract)
   shutil.rmtree(workdir / "checkpoints" / "2")
@@ -368,16 +369,16 @@ def test_a_full_disk_while_the_supervised_start_is_written_leaves_no_half_start(
   monkeypatch.setattr(hf_io, "save_file", full)
   config = tiny_config(**{"sft.num_steps": 2, "train.num_steps": 0})
   with pytest.raises(checkpointing.WorkdirError,
-                     match=rf"^cannot write {tmp_path / trainer.SFT_DIR}/model.safetensors: no "
+                     match=rf"^cannot write {tmp_path / supervised.SFT_DIR}/model.safetensors: no "
                            "space left"):
     trainer.train(config, str(tmp_path))
   # Nothing staged is left (the start was staged inside the workdir, beside sft_model).
   assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sft_progress"]
   monkeypatch.undo()  # Space again: the rerun fits and writes the start.
   trainer.train(config, str(tmp_path))
-  assert (tmp_path / trainer.SFT_DIR / "config.json").exists()
+  assert (tmp_path / supervised.SFT_DIR / "config.json").exists()
   assert sorted(p.name for p in tmp_path.iterdir()) == [
-      "checkpoints", "config.json", "metrics.jsonl", "samples.jsonl", trainer.SFT_DIR,
+      "checkpoints", "config.json", "metrics.jsonl", "samples.jsonl", supervised.SFT_DIR,
       "tensorboard"]
 
 

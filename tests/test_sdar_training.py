@@ -220,7 +220,7 @@ def test_sdar_sft_loss_is_the_block_elbo_and_decreases():
 
 def _with_start(path, start):
   path.mkdir(parents=True, exist_ok=True)
-  shutil.copytree(start, path / trainer.SFT_DIR)
+  shutil.copytree(start, path / supervised.SFT_DIR)
   return path
 
 

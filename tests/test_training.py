@@ -26,6 +26,7 @@ from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writ
 from stabledrl_jax.training import specs
 from stabledrl_jax.training import multihost, optimizer as optimizer_lib, rl_loss, rollout, run_spec
 from stabledrl_jax.training import sweep, train_step, trainer
+from stabledrl_jax.training import supervised
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def tiny_config(**updates):
 
 def workdir_with_start(path, sft_start):
   path.mkdir(parents=True, exist_ok=True)
-  shutil.copytree(sft_start, path / trainer.SFT_DIR)
+  shutil.copytree(sft_start, path / supervised.SFT_DIR)
   return path
 
 
@@ -887,28 +888,28 @@ def test_a_signal_during_the_supervised_start_saves_it_and_the_rerun_continues(t
   workdir = tmp_path / "stopped"
   code, out = _start_and_signal(workdir, [signum], SFT_STOP_FLAGS, env)
   assert code == 0, out
-  saved = checkpointing.Checkpointer(workdir, read_only=True, subdir=trainer.SFT_PROGRESS_DIR)
+  saved = checkpointing.Checkpointer(workdir, read_only=True, subdir=supervised.SFT_PROGRESS_DIR)
   steps = saved.all_steps()
   saved.close()
   assert len(steps) == 1 and 1 <= steps[0] < 60, (steps, out)
   assert f"saved the supervised start's step {steps[0]} of 60" in out
   assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
-  assert not (workdir / trainer.SFT_DIR).exists()
+  assert not (workdir / supervised.SFT_DIR).exists()
 
   rerun = subprocess.run(_cli(workdir, *SFT_STOP_FLAGS), env=env, capture_output=True,
                          text=True, timeout=600)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert f"continuing the supervised start from step {steps[0]}" in rerun.stderr
   assert "sft step 0:" not in rerun.stdout  # Continued, not started again.
-  assert not (workdir / trainer.SFT_PROGRESS_DIR).exists()
+  assert not (workdir / supervised.SFT_PROGRESS_DIR).exists()
   assert [r["step"] for r in metrics_writer.read_metrics(str(workdir / "metrics.jsonl"))] == [1]
 
   # The reference: the same supervised start, never interrupted, in this process.
   reference = tmp_path / "reference"
   trainer.train(tiny_config(**{"sft.num_steps": 60, "train.num_steps": 0}), str(reference))
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-  got = load_file(str(workdir / trainer.SFT_DIR / "model.safetensors"))
-  want = load_file(str(reference / trainer.SFT_DIR / "model.safetensors"))
+  got = load_file(str(workdir / supervised.SFT_DIR / "model.safetensors"))
+  want = load_file(str(reference / supervised.SFT_DIR / "model.safetensors"))
   assert got.keys() == want.keys()
   for name in want:
     np.testing.assert_allclose(got[name], want[name], atol=1e-6, rtol=0, err_msg=name)
@@ -925,7 +926,7 @@ def test_a_second_ctrl_c_during_the_supervised_start_stops_at_once_and_cleanly(t
   assert code == 128 + signal.SIGINT, out
   assert "Interrupted again" in out and "Segmentation fault" not in out, out
   assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
-  assert not (workdir / trainer.SFT_DIR).exists()
+  assert not (workdir / supervised.SFT_DIR).exists()
 
 
 def test_a_chunked_rollout_runs_a_step(tmp_path, sft_start):
@@ -959,6 +960,6 @@ def test_kl_to_start_is_zero_at_the_start_and_measured_against_it_after_a_resume
   resumed = trainer.train(config, str(cut))
   assert [h["step"] for h in resumed] == [3]
   assert resumed[0]["kl_start/mean"] == pytest.approx(kl[2], rel=1e-4, abs=1e-6)
-  shutil.rmtree(cut / trainer.SFT_DIR)
+  shutil.rmtree(cut / supervised.SFT_DIR)
   with pytest.raises(ValueError, match="supervised start is gone"):
     trainer.train(sweep.with_overrides(config, {"train.num_steps": 4}), str(cut))

@@ -37,7 +37,8 @@ from stabledrl_jax import hub, models, tokenizers
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import hf_io, peft_io
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import checkpointing, config_lib, data, lora_base, specs, trainer
+from stabledrl_jax.training import build, checkpointing, config_lib, data, lora_base, specs
+from stabledrl_jax.training import supervised
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"
@@ -180,7 +181,7 @@ def resolve(path: str, step: int | None = None) -> CheckpointSource:
     steps = checkpointer.all_steps()
     checkpointer.close()
     if not steps:
-      start = str(epath.Path(path) / trainer.SFT_DIR)
+      start = str(epath.Path(path) / supervised.SFT_DIR)
       hint = (f"; its supervised start is the Hugging Face directory {start}"
               if is_huggingface_dir(start) else "")
       raise ValueError(f"workdir {path} has no finished checkpoint yet{hint}")
@@ -300,7 +301,7 @@ def adapter_base(source: CheckpointSource) -> str | None:
   if start:
     start = unwrapped(start)
     return start if hub.is_hub_id(start) else os.path.abspath(start)
-  sft = os.path.join(source.path, trainer.SFT_DIR)
+  sft = os.path.join(source.path, supervised.SFT_DIR)
   return sft if is_huggingface_dir(sft) else None
 
 
@@ -339,7 +340,7 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
     return peft_io.from_pretrained(source.path, dtype=dtype, mesh=mesh)
   config = source.config
   model_config = _workdir_model_config(config, dtype)
-  abstract = nnx.eval_shape(lambda: trainer.with_lora(
+  abstract = nnx.eval_shape(lambda: build.with_lora(
       config, models.init_model(model_config, seed=0)))
   graphdef, params = nnx.split(abstract, nnx.Param)
   checkpointer = checkpointing.Checkpointer(source.path, read_only=True)
@@ -351,7 +352,7 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
       lora_base.check(checkpointer.restore_meta(source.step).get(lora_base.META_KEY),
                       lora_base.identity(config, source.path),
                       f"{source.path}/checkpoints/{source.step}")
-      model = trainer.with_lora(config, _base_model(source, model_config, dtype, mesh), mesh)
+      model = build.with_lora(config, _base_model(source, model_config, dtype, mesh), mesh)
       graphdef, full = nnx.split(model, nnx.Param)
       params, base = lora_lib.split(full)
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,

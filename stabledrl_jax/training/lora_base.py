@@ -3,7 +3,7 @@
 The base is rebuilt where the run began: ``model.checkpoint`` (a PEFT adapter's base, if it is
 one), else the supervised start ``<workdir>/sft_model``, else a fresh initialization of
 ``model.name`` from ``seed``; then ``model.lora.base_dtype`` stores it as at the start
-(``trainer.with_lora``). Each checkpoint's meta records the base's identity, ``identity()``: where
+(``build.with_lora``). Each checkpoint's meta records the base's identity, ``identity()``: where
 it comes from and a fingerprint of it (SHA-256 of each safetensors file's size, header (tensor
 names, shapes, dtypes, offsets) and first and last MiB of data; of the model config and seed
 for a fresh one). A resume whose base has another identity is refused in one line: the adapters

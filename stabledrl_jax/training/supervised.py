@@ -17,18 +17,23 @@ The completion includes the EOS padding, so the model learns where answers end.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
+from absl import logging
+from etils import epath
 from flax import nnx
 
-from stabledrl_jax import estimators
+from stabledrl_jax import estimators, models, tasks, workdir_files
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training import rl_loss
+from stabledrl_jax.training import build, checkpointing, data, multihost, rl_loss, specs
 
 Array = jax.Array
 
@@ -101,3 +106,148 @@ def fit(model: nnx.Module, sample_batch: Callable[[int], tuple[np.ndarray, np.nd
     if stop is not None and step + 1 < num_steps and stop(step + 1):
       break
   return model
+
+
+# ---------------------------------------------------------------------------
+# The supervised start of an RL run, in its workdir: fitted once, resumable.
+# ---------------------------------------------------------------------------
+
+SFT_DIR = "sft_model"
+# A stopped supervised start's parameters, optimizer state and step (orbax), until it finishes.
+SFT_PROGRESS_DIR = "sft_progress"
+
+
+class Stopped(Exception):
+  """A signal stopped the supervised start; its progress is saved (``SFT_PROGRESS_DIR``)."""
+
+
+def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.PathLike,
+                     model: nnx.Module, tokenizer, task: tasks.Task, train_examples, mesh,
+                     log, stop=None) -> nnx.Module:
+  """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``.
+
+  Every process fits on the same batches (each device gets its rows); process 0 writes the
+  result.
+
+  ``stop(done)`` is asked at each step boundary (``supervised.fit``); when it says so (a
+  SIGTERM or SIGINT), the parameters, the optimizer state, the step and the batch generator's
+  state are saved in ``<workdir>/sft_progress`` and ``Stopped`` is raised. The next run
+  continues from there: its start is the uninterrupted fit's (docs/reliability.md).
+  """
+  path = epath.Path(workdir) / SFT_DIR
+  progress_dir = epath.Path(workdir) / SFT_PROGRESS_DIR
+  if (path / "config.json").exists():
+    if multihost.is_primary() and progress_dir.exists():  # A stop after the fit was written.
+      progress_dir.rmtree()
+    return build.load_pretrained(path, mesh, config)
+  rollout = config.rollout
+  rng = np.random.default_rng(config.seed)
+
+  def sample_batch(step):
+    del step  # The generator state advances deterministically with each call.
+    indices = rng.integers(len(train_examples), size=config.sft.batch_size)
+    examples = [train_examples[int(i)] for i in indices]
+    prompts = data.encode_examples(config, tokenizer, task, examples)
+    targets = [data.answer_text(ex, data.noisy_demonstration(
+        task, ex, rng, error_rate=config.sft.demo_error_rate,
+        error_cells=config.sft.demo_error_cells)) for ex in examples]
+    completions = data.encode_completions(tokenizer, targets, rollout.gen_length)
+    tokens = np.concatenate([prompts.tokens, completions], axis=1)
+    prompt_mask = np.concatenate([prompts.mask, np.zeros_like(completions, bool)], axis=1)
+    completion_mask = np.concatenate([np.zeros_like(prompts.mask), np.ones_like(completions,
+                                                                                 bool)], axis=1)
+    return tokens, prompt_mask, completion_mask
+
+  num_steps = config.sft.num_steps
+  optimizer = make_optimizer(model, num_steps=num_steps, learning_rate=config.sft.learning_rate)
+  progress = checkpointing.Checkpointer(workdir, subdir=SFT_PROGRESS_DIR, max_to_keep=1,
+                                        async_save=False)
+  identity = {"sft": config.sft.to_dict(), "seed": config.seed}
+  done, stopped = [0], [False]
+  try:
+    latest = progress.latest_step()
+    if latest is not None:
+      where = f"{progress.directory}/{latest}"
+      saved = progress.restore_meta(latest)
+      checkpointing.check_resume(config, saved.get("config", {}), where)
+      if saved.get("identity") != json.loads(json.dumps(identity)):
+        raise ValueError(f"config does not match {where}: the supervised start's settings "
+                         f"(sft.*, seed) were {saved.get('identity')}. Resume with them, or "
+                         f"delete {progress.directory} to fit the start anew.")
+      # Placed as the fit places them: on the mesh (the optimizer's step counter, made on one
+      # device, replicated over it: a one-device array cannot join the others' computation).
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=x.sharding if isinstance(
+              x.sharding, jax.sharding.NamedSharding) else replicated),
+                              _sft_state(model, optimizer))
+      state, meta = progress.restore(latest, abstract)
+      nnx.update(model, state["params"])
+      nnx.update(optimizer, state["optimizer"])
+      rng.bit_generator.state = meta["rng"]
+      done[0] = int(meta["step"])
+      if multihost.is_primary():
+        logging.warning("continuing the supervised start from step %d (%s)", done[0], where)
+
+    def asked_to_stop(step):
+      done[0], stopped[0] = step, stop is not None and stop(step)
+      return stopped[0]
+
+    rows = models.batch_sharding(mesh, ndim=1)
+    fit(model, sample_batch, num_steps=num_steps, learning_rate=config.sft.learning_rate,
+        seed=config.seed, mask_id=model.config.mask_token_id, log=log,
+        place=lambda x: jax.device_put(x, rows), optimizer=optimizer, start_step=done[0],
+        stop=asked_to_stop)
+    if stopped[0]:
+      progress.save(done[0], _sft_state(model, optimizer), {
+          "step": done[0], "rng": rng.bit_generator.state, "identity": identity,
+          "config": json.loads(config.to_json_best_effort())})
+      progress.wait()
+      raise Stopped(f"Stopped by a signal: saved the supervised start's step {done[0]} of "
+                    f"{num_steps} in {progress.directory}; rerun the same command to continue")
+  finally:
+    progress.close()
+  _save_pretrained(model, path, mesh)
+  if multihost.is_primary() and progress_dir.exists():
+    progress_dir.rmtree()
+  multihost.sync("stabledrl_jax: supervised progress removed")
+  return model
+
+
+def _sft_state(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+  """What a stopped supervised start saves: the parameters and the optimizer's state (its
+  step and AdamW's moments), as pytrees of arrays."""
+  return {"params": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
+
+
+def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
+  """Process 0 writes ``model`` to ``path`` (local or remote), through a directory staged beside
+  it in the workdir and renamed at the end (``workdir_files.staged_dir``): a kill mid-save
+  leaves no torn start, and a failed save (a full disk) removes what it staged and raises
+  ``WorkdirError`` naming ``path``."""
+  if jax.process_count() > 1:  # Every process's shards, replicated, so process 0 can read them.
+    graphdef, state = nnx.split(model)
+    state = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))(state)
+    model = nnx.merge(graphdef, state)
+  if multihost.is_primary():
+    with workdir_files.staged_dir(path, overwrite=True) as staging:
+      models.save_pretrained(model, os.fspath(staging))
+  multihost.sync("stabledrl_jax: supervised start written")
+
+
+def needs_start(config: ml_collections.ConfigDict) -> bool:
+  """Whether a resumed run needs its start of RL: a KL reference, the kl_to_start diagnostic,
+  or a LoRA run's frozen base (its checkpoints hold the adapters only: ``lora_base``)."""
+  return (specs.uses_reference(config) or bool(config.diagnostics.get("kl_to_start", False))
+          or bool(config.model.lora.rank))
+
+
+def resumed_start(config: ml_collections.ConfigDict, workdir, mesh) -> nnx.Module:
+  """The supervised start of a resumed run, read back from ``<workdir>/sft_model``."""
+  path = epath.Path(workdir) / SFT_DIR
+  if not (path / "config.json").exists():
+    raise ValueError(f"{path}: the supervised start is gone, and the run's KL reference "
+                     "(or diagnostics.kl_to_start, or a LoRA run's frozen base) is it; restore "
+                     "it, or start the run in a new workdir")
+  return build.load_pretrained(path, mesh, config)

@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from stabledrl_jax import objectives
-from stabledrl_jax.training import metrics_writer, trainer
+from stabledrl_jax.training import metrics_writer, supervised, trainer
 
 _RESULT_FILE = "run_result.json"
 _BEGUN_FILE = "run_config.json"  # Written when a run starts: a cut run of this config resumes.
@@ -91,7 +91,7 @@ def with_overrides(config: ml_collections.ConfigDict,
 
 def fit_supervised_start(config: ml_collections.ConfigDict, directory: str) -> str:
   """Fits (or finds) the config's supervised start in ``directory``; returns its model dir."""
-  start = os.path.join(directory, trainer.SFT_DIR)
+  start = os.path.join(directory, supervised.SFT_DIR)
   if not os.path.exists(os.path.join(start, "config.json")):
     trainer.train(with_overrides(config, {"train.num_steps": 0}), directory)
   return start
@@ -142,7 +142,7 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   if not resume:
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
-    shutil.copytree(start, os.path.join(workdir, trainer.SFT_DIR))
+    shutil.copytree(start, os.path.join(workdir, supervised.SFT_DIR))
     with open(begun, "w") as f:
       f.write(identity)
   began = time.perf_counter()

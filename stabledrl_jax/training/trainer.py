@@ -1,16 +1,6 @@
-"""The RL training loop (docs/training.md): rollouts, rewards, old-policy estimates, mu updates.
-
-One RL step:
-
-1. P prompts, each repeated G times; rollouts from pi_old (the current parameters).
-2. Rewards on the host; group-relative advantages.
-3. l_old under pi_old (independent masks, or the inner iterations' own masks when
-   ``estimator.coupled_ratio``), and l_ref under a frozen reference (the start of RL) when
-   the objective has a KL term, on the same masks as l_old. In a
-   stress test (``estimator.stress.fraction > 0``, docs/stress_test.md) a fraction of the
-   samples, chosen once per step, gets "hard" masks for l_old and "easy" masks for l_theta.
-4. ``train.num_iterations`` updates with fresh masks each; a non-finite loss or
-   gradient skips its update.
+"""The RL training loop (docs/training.md): the run built (``build``), then each RL step
+(``rl_step.rl_step``: rollouts, l_old / l_ref, the updates, the objective state) followed by
+what the loop owns: evaluation, metrics, checkpoints and signals.
 
 The step's PRNG key is ``fold_in(run_key, step)``; with the data-iterator
 state in the checkpoint, a resumed run repeats the uninterrupted one exactly.
@@ -32,10 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -49,292 +37,15 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import hub, input_files, models, profiling, tasks, workdir_files
+from stabledrl_jax import models, profiling, tasks, workdir_files
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import checkpointing, data, decoding, lora_base, mesh as mesh_lib
-from stabledrl_jax.training import specs
-from stabledrl_jax.training import metrics_writer, multihost, preemption
-from stabledrl_jax.training import optimizer as optimizer_lib
-from stabledrl_jax.training import reward_pool, rl_loss, rollout as rollout_lib, run_spec, spikes
-from stabledrl_jax.training import supervised, train_step
-
-SFT_DIR = "sft_model"
-# A stopped supervised start's parameters, optimizer state and step (orbax), until it finishes.
-SFT_PROGRESS_DIR = "sft_progress"
-# Folded into the step key for the stress selection, so that the other keys stay as they were.
-_STRESS_KEY = 0x57e55
-
+from stabledrl_jax.training import build, checkpointing, data, decoding, lora_base
+from stabledrl_jax.training import mesh as mesh_lib, metrics_writer, multihost, preemption
+from stabledrl_jax.training import reward_pool, rl_step as rl_step_lib, rollout as rollout_lib
+from stabledrl_jax.training import specs, spikes, supervised, train_step
 
 class TooManySkipsError(RuntimeError):
   """Raised after ``train.max_consecutive_skips`` non-finite updates in a row."""
-
-
-def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> models.LLaDA | models.SDAR:
-  """A checkpoint (``model.checkpoint``), else a fresh model of ``model.family``/``model.name``.
-
-  Raises ValueError if the checkpoint is not of ``model.family``, or if its block size does
-  not fit the rollout layout.
-  """
-  if not config.model.checkpoint:
-    model_config = specs.model_config(config, tokenizer)
-    return models.init_model(model_config, seed=config.seed, mesh=mesh)
-  with input_files.named("config.model.checkpoint"):
-    path = hub.local_path(config.model.checkpoint, download=config.model.download)
-    model = models.from_pretrained(path, mesh=mesh, **_dtypes(config),
-                                   remat=config.model.remat, **specs.run_options(config))
-  try:
-    data.check_tokenizer(model.config, tokenizer)
-  except ValueError as error:
-    raise ValueError(f"config.tokenizer: {error} (model.checkpoint={config.model.checkpoint!r})"
-                     ) from None
-  if lora_lib.has_adapters(model):  # A PEFT adapter: its base with it.
-    model = _continued_adapter(config, model)
-  return _check_loaded(config, model, config.model.checkpoint)
-
-
-def _continued_adapter(config: ml_collections.ConfigDict, model: nnx.Module) -> nnx.Module:
-  """A model loaded with a PEFT adapter: with ``model.lora.rank`` 0 its merged weights (every
-  parameter trains); else the adapter itself trains on, if ``model.lora`` describes it (rank,
-  alpha, the modules it adapts), as the official code continues one (the reference of KL terms
-  is then its base)."""
-  spec = lora_lib.spec_of(config.model.lora)
-  if spec is None:
-    return lora_lib.merge_adapters(model)
-  adapters = lora_lib.adapters_of(model)
-  rank, scale = next((a.a.shape[1], a.scale) for a in adapters.values())
-  chosen = set(lora_lib.targeted(model, spec))
-  if (spec.rank, spec.scale) != (rank, scale) or chosen != set(adapters):
-    short = sorted({name.rsplit(".", 1)[-1] for name in adapters})
-    raise ValueError(
-        f"config.model.lora: rank={spec.rank}, alpha={spec.alpha:g}, targets="
-        f"{','.join(spec.targets)!r} do not describe the adapter model.checkpoint="
-        f"{config.model.checkpoint!r} (r={rank}, lora_alpha={scale * rank:g}, {len(adapters)} "
-        f"modules {','.join(short)}): set them so to train it on, or rank=0 to train its merged "
-        "weights")
-  return model
-
-
-def _dtypes(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """``from_pretrained`` keywords: parameters stored in ``model.param_dtype`` (float32 master
-  weights), computed in ``model.dtype``."""
-  return dict(dtype=jnp.dtype(config.model.dtype),
-              param_dtype=jnp.dtype(config.model.param_dtype))
-
-
-def _check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: str) -> nnx.Module:
-  """A loaded model is of ``model.family`` and its sampler can decode the rollout layout."""
-  family = models.family.of(model)
-  found = family.name
-  if found != config.model.family:
-    raise ValueError(f"config.model.family: {config.model.family!r}, but {path} holds a "
-                     f"{found} model")
-  family.check_rollout(config.rollout, model.config)
-  return model
-
-
-class Stopped(Exception):
-  """A signal stopped the supervised start; its progress is saved (``SFT_PROGRESS_DIR``)."""
-
-
-def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.PathLike,
-                     model: nnx.Module, tokenizer, task: tasks.Task, train_examples, mesh,
-                     log, stop=None) -> nnx.Module:
-  """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``.
-
-  Every process fits on the same batches (each device gets its rows); process 0 writes the
-  result.
-
-  ``stop(done)`` is asked at each step boundary (``supervised.fit``); when it says so (a
-  SIGTERM or SIGINT), the parameters, the optimizer state, the step and the batch generator's
-  state are saved in ``<workdir>/sft_progress`` and ``Stopped`` is raised. The next run
-  continues from there: its start is the uninterrupted fit's (docs/reliability.md).
-  """
-  path = epath.Path(workdir) / SFT_DIR
-  progress_dir = epath.Path(workdir) / SFT_PROGRESS_DIR
-  if (path / "config.json").exists():
-    if multihost.is_primary() and progress_dir.exists():  # A stop after the fit was written.
-      progress_dir.rmtree()
-    return _check_loaded(config, _load_pretrained(path, mesh, config), path)
-  rollout = config.rollout
-  rng = np.random.default_rng(config.seed)
-
-  def sample_batch(step):
-    del step  # The generator state advances deterministically with each call.
-    indices = rng.integers(len(train_examples), size=config.sft.batch_size)
-    examples = [train_examples[int(i)] for i in indices]
-    prompts = data.encode_examples(config, tokenizer, task, examples)
-    targets = [data.answer_text(ex, data.noisy_demonstration(
-        task, ex, rng, error_rate=config.sft.demo_error_rate,
-        error_cells=config.sft.demo_error_cells)) for ex in examples]
-    completions = data.encode_completions(tokenizer, targets, rollout.gen_length)
-    tokens = np.concatenate([prompts.tokens, completions], axis=1)
-    prompt_mask = np.concatenate([prompts.mask, np.zeros_like(completions, bool)], axis=1)
-    completion_mask = np.concatenate([np.zeros_like(prompts.mask), np.ones_like(completions,
-                                                                                 bool)], axis=1)
-    return tokens, prompt_mask, completion_mask
-
-  num_steps = config.sft.num_steps
-  optimizer = supervised.make_optimizer(model, num_steps=num_steps,
-                                        learning_rate=config.sft.learning_rate)
-  progress = checkpointing.Checkpointer(workdir, subdir=SFT_PROGRESS_DIR, max_to_keep=1,
-                                        async_save=False)
-  identity = {"sft": config.sft.to_dict(), "seed": config.seed}
-  done, stopped = [0], [False]
-  try:
-    latest = progress.latest_step()
-    if latest is not None:
-      where = f"{progress.directory}/{latest}"
-      saved = progress.restore_meta(latest)
-      checkpointing.check_resume(config, saved.get("config", {}), where)
-      if saved.get("identity") != json.loads(json.dumps(identity)):
-        raise ValueError(f"config does not match {where}: the supervised start's settings "
-                         f"(sft.*, seed) were {saved.get('identity')}. Resume with them, or "
-                         f"delete {progress.directory} to fit the start anew.")
-      # Placed as the fit places them: on the mesh (the optimizer's step counter, made on one
-      # device, replicated over it: a one-device array cannot join the others' computation).
-      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=x.sharding if isinstance(
-              x.sharding, jax.sharding.NamedSharding) else replicated),
-                              _sft_state(model, optimizer))
-      state, meta = progress.restore(latest, abstract)
-      nnx.update(model, state["params"])
-      nnx.update(optimizer, state["optimizer"])
-      rng.bit_generator.state = meta["rng"]
-      done[0] = int(meta["step"])
-      if multihost.is_primary():
-        logging.warning("continuing the supervised start from step %d (%s)", done[0], where)
-
-    def asked_to_stop(step):
-      done[0], stopped[0] = step, stop is not None and stop(step)
-      return stopped[0]
-
-    rows = models.batch_sharding(mesh, ndim=1)
-    supervised.fit(model, sample_batch, num_steps=num_steps,
-                   learning_rate=config.sft.learning_rate, seed=config.seed,
-                   mask_id=model.config.mask_token_id, log=log,
-                   place=lambda x: jax.device_put(x, rows), optimizer=optimizer,
-                   start_step=done[0], stop=asked_to_stop)
-    if stopped[0]:
-      progress.save(done[0], _sft_state(model, optimizer), {
-          "step": done[0], "rng": rng.bit_generator.state, "identity": identity,
-          "config": json.loads(config.to_json_best_effort())})
-      progress.wait()
-      raise Stopped(f"Stopped by a signal: saved the supervised start's step {done[0]} of "
-                    f"{num_steps} in {progress.directory}; rerun the same command to continue")
-  finally:
-    progress.close()
-  _save_pretrained(model, path, mesh)
-  if multihost.is_primary() and progress_dir.exists():
-    progress_dir.rmtree()
-  multihost.sync("stabledrl_jax: supervised progress removed")
-  return model
-
-
-def _sft_state(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
-  """What a stopped supervised start saves: the parameters and the optimizer's state (its
-  step and AdamW's moments), as pytrees of arrays."""
-  return {"params": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
-
-
-def _save_pretrained(model: nnx.Module, path: epath.Path, mesh) -> None:
-  """Process 0 writes ``model`` to ``path`` (local or remote), through a directory staged beside
-  it in the workdir and renamed at the end (``workdir_files.staged_dir``): a kill mid-save
-  leaves no torn start, and a failed save (a full disk) removes what it staged and raises
-  ``WorkdirError`` naming ``path``."""
-  if jax.process_count() > 1:  # Every process's shards, replicated, so process 0 can read them.
-    graphdef, state = nnx.split(model)
-    state = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))(state)
-    model = nnx.merge(graphdef, state)
-  if multihost.is_primary():
-    with workdir_files.staged_dir(path, overwrite=True) as staging:
-      models.save_pretrained(model, os.fspath(staging))
-  multihost.sync("stabledrl_jax: supervised start written")
-
-
-def _load_pretrained(path: epath.Path, mesh, config: ml_collections.ConfigDict) -> nnx.Module:
-  """``models.from_pretrained`` of a local or remote (copied to a local directory) checkpoint,
-  with the run's dtypes and model options (remat, scan_layers, attention), as ``build_model``."""
-  options = dict(_dtypes(config), remat=config.model.remat, **specs.run_options(config))
-  if checkpointing.is_local(path):
-    return models.from_pretrained(str(path), mesh=mesh, **options)
-  with workdir_files.local_staging() as local:
-    _copy_files(path, epath.Path(local))
-    return models.from_pretrained(local, mesh=mesh, **options)
-
-
-def _copy_files(source: epath.Path, target: epath.Path) -> None:
-  """The files of directory ``source`` into ``target`` (created), local or remote either way."""
-  target.mkdir(parents=True, exist_ok=True)
-  for file in source.iterdir():
-    (target / file.name).write_bytes(file.read_bytes())
-
-
-def with_lora(config: ml_collections.ConfigDict, model: nnx.Module, mesh=None) -> nnx.Module:
-  """``model`` with ``config.model.lora``'s adapters (rank 0: as it is), created over ``mesh``,
-  and its frozen base stored as ``model.lora.base_dtype`` (``lora.store_base``)."""
-  section = config.model.get("lora")  # A workdir of an older version has none.
-  spec = None if section is None else lora_lib.spec_of(section)
-  if spec is None:
-    return model
-  if not lora_lib.has_adapters(model):  # A PEFT adapter's are kept (build_model).
-    lora_lib.add_adapters(model, spec, seed=config.seed, mesh=mesh)
-  return lora_lib.store_base(model, section.get("base_dtype", "bfloat16"))
-
-
-def make_update(run: run_spec.RunSpec, graphdef: Any, tx, state_shardings: Any, mesh):
-  """The jitted update of ``run`` (``train_step.make_update_fn``), state donated and pinned."""
-  return train_step.make_update_fn(
-      graphdef, tx, state_shardings=state_shardings,
-      batch_shardings=models.batch_sharding(mesh, ndim=1),
-      replicated=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), run=run)
-
-
-def abstract_update(config: ml_collections.ConfigDict, devices=None):
-  """The update of ``config`` and abstract inputs for it: nothing is allocated.
-
-  For ahead-of-time compilation (memory plans): ``update.lower(state, batch, key).compile()``.
-  The model is ``model.name`` fresh (not ``model.checkpoint``), placed on the config's mesh
-  over ``devices`` (default: all) by the same rules as in training.
-
-  Returns:
-    (update, state, batch, key): the jitted update and ``jax.ShapeDtypeStruct`` pytrees of a
-    ``TrainState``, a ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
-  """
-  mesh = mesh_lib.make_mesh(config.mesh, devices)
-  model_cfg = specs.model_config(config)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: with_lora(
-      config, models.init_model(model_cfg, seed=config.seed))), nnx.Param)
-  run = specs.resolve_run(config, model_cfg)
-  params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-                        params, models.param_shardings(params, mesh))
-  tx = optimizer_lib.make_optimizer(config.optimizer,
-                                    config.train.num_steps * config.train.num_iterations)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  objective_state = run.initial_state()
-  shardings = train_step.state_shardings(tx, params, jax.tree.map(lambda p: p.sharding, params),
-                                         replicated, objective_state, lora=run.lora)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       jax.eval_shape(lambda p: train_step.create_train_state(
-                           p, tx, config.seed, objective_state, lora=run.lora), params),
-                       shardings)
-  spec = run.likelihood
-  r = config.rollout
-  n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
-  rows = models.batch_sharding(mesh, ndim=1)
-  array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-  logp = (n, length) if spec.token_level else (n,)
-  batch = rl_loss.RolloutBatch(
-      tokens=array((n, length), jnp.int32), prompt_mask=array((n, length), bool),
-      completion_mask=array((n, length), bool), attention_mask=array((n, length), bool),
-      advantages=array((n,), jnp.float32), old_logp=array(logp, jnp.float32),
-      ref_logp=array(logp, jnp.float32),
-      stressed=array((n,), bool) if config.estimator.stress.fraction > 0 else None)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-  update = make_update(run, graphdef, tx, shardings, mesh)
-  return update, state, batch, key
 
 
 # Top-level fields of older checkpoints' states that now live in ``TrainState.objective_state``:
@@ -418,7 +129,7 @@ class Trainer:
         kept=self._kept)
     try:
       self._build(config)
-    except Stopped as stop:
+    except supervised.Stopped as stop:
       self.stopped = str(stop)
     except BaseException:
       self._close(raising=False)  # orbax's and the reward pool's threads end before the error.
@@ -429,7 +140,7 @@ class Trainer:
   def _kept(self) -> str:
     """What an immediate stop keeps: the newest complete checkpoint (or supervised progress)."""
     for subdir, what in ((checkpointing.CHECKPOINT_DIR, "checkpoint"),
-                         (SFT_PROGRESS_DIR, "saved supervised step")):
+                         (supervised.SFT_PROGRESS_DIR, "saved supervised step")):
       directory = self.workdir / subdir
       steps = ([int(p.name) for p in directory.iterdir() if p.name.isdigit()]
                if directory.is_dir() else [])
@@ -444,8 +155,6 @@ class Trainer:
 
   def _build(self, config: ml_collections.ConfigDict) -> None:
     self.mesh = mesh_lib.make_mesh(config.mesh)
-    # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
-    self.batch_sharding = models.batch_sharding(self.mesh, ndim=1)
     r = config.rollout
     decoding.check_chunks(r, mesh_lib.data_parallel_size(self.mesh))  # microbatch_groups
     self.tokenizer = data.make_tokenizer(config.tokenizer)
@@ -464,44 +173,35 @@ class Trainer:
     self.checkpointer = checkpointing.Checkpointer(self.workdir,
                                                    max_to_keep=config.checkpoint.max_to_keep)
     latest = self.checkpointer.latest_step()
-    model = build_model(config, self.tokenizer, self.mesh)
+    model = build.build_model(config, self.tokenizer, self.mesh)
     if config.sft.num_steps and not config.model.checkpoint:
       if latest is None:
-        model = supervised_start(config, self.workdir, model, self.tokenizer, self.task,
-                                 self.train_examples, self.mesh, self._log_sft,
-                                 stop=self.watcher.reached)
+        model = supervised.supervised_start(config, self.workdir, model, self.tokenizer,
+                                            self.task, self.train_examples, self.mesh,
+                                            self._log_sft, stop=self.watcher.reached)
       # On resume the checkpoint holds the parameters; the SFT start is needed only as the
       # start of RL that KL terms and kl_to_start measure against.
-      elif needs_start(config):
-        model = resumed_start(config, self.workdir, self.mesh)
-    self.model_config = model.config
-    model = with_lora(config, model, self.mesh)
-    self.graphdef, params = nnx.split(model, nnx.Param)
-    # The reference for KL terms is the start of RL, frozen: with LoRA the base itself (the
-    # adapters off), without a copy.
-    self.run_spec = specs.resolve_run(config, self.model_config)
+      elif supervised.needs_start(config):
+        model = supervised.resumed_start(config, self.workdir, self.mesh)
+    model_config = model.config
+    graphdef, params = nnx.split(build.with_lora(config, model, self.mesh), nnx.Param)
+    self.parts = parts = build.parts(config, self.mesh, graphdef, params, model_config)
     note = specs.estimator_note(config)
     if note and self.primary:
       print(note, file=sys.stderr, flush=True)
-    self.kl_to_start = bool(config.diagnostics.get("kl_to_start", False))
-    keep_start = not self.run_spec.lora and (self.run_spec.uses_reference or self.kl_to_start)
-    self.start_params = params if keep_start else None
+    # The reference for KL terms is the start of RL, frozen: with LoRA the base itself (the
+    # adapters off), without a copy.
+    kl_to_start = bool(config.diagnostics.get("kl_to_start", False))
+    keep_start = not parts.run.lora and (parts.run.uses_reference or kl_to_start)
     self.rollouts = rollout_lib.RolloutCollector(
-        config, self.run_spec, tokenizer=self.tokenizer, task=self.task, scorer=self.scorer,
-        graphdef=self.graphdef, model_config=self.model_config, mesh=self.mesh)
-
-    num_updates = config.train.num_steps * config.train.num_iterations
-    self.tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
-    self.state_shardings = train_step.state_shardings(
-        self.tx, params, jax.tree.map(lambda p: p.sharding, params),
-        jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
-        objective_state=self.run_spec.initial_state(), lora=self.run_spec.lora)
-    state = jax.jit(lambda p: train_step.create_train_state(
-        p, self.tx, config.seed, self.run_spec.initial_state(), lora=self.run_spec.lora),
-                    out_shardings=self.state_shardings)(params)
+        config, parts.run, tokenizer=self.tokenizer, task=self.task, scorer=self.scorer,
+        graphdef=graphdef, model_config=model_config, mesh=self.mesh)
+    self.fns = rl_step_lib.step_functions(
+        parts, self.rollouts, num_iterations=config.train.num_iterations,
+        kl_to_start=kl_to_start, start_params=params if keep_start else None)
+    state = build.initial_state(parts, params, config.seed)
     self.start_step = 0
-    self.base_identity = (lora_base.identity(config, self.workdir) if self.run_spec.lora
-                          else None)
+    self.base_identity = (lora_base.identity(config, self.workdir) if parts.run.lora else None)
     if latest is not None:
       state, meta = self._restore(state)
       self.data_iter.restore(meta["data"])
@@ -510,38 +210,16 @@ class Trainer:
     if self.primary:  # Only now: a failed resume leaves the workdir as it was.
       workdir_files.write_text(self.workdir / "config.json",
                                config.to_json_best_effort(indent=2))
-
-    self.spec = self.run_spec.likelihood
-    self.advance_objective_state = jax.jit(
-        functools.partial(train_step.advance_objective_state, run=self.run_spec),
-        out_shardings=self.state_shardings.objective_state)
-    self.update = make_update(self.run_spec, self.graphdef, self.tx, self.state_shardings,
-                              self.mesh)
-    self.estimate_no_grad = self._scoring(self.run_spec)
-    self._adapters_off = jax.jit(lora_lib.adapters_off)
-    # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
-    sequence = dataclasses.replace(self.spec, normalize="sum")
-    self.estimate_sequence = None if not self.kl_to_start else self._scoring(
-        dataclasses.replace(self.run_spec, likelihood=sequence))
     self.writer = (metrics_writer.MetricsWriter(
         self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
         config=json.loads(config.to_json_best_effort())) if self.primary else None)
-    self.schedule = optimizer_lib.learning_rate_schedule(config.optimizer, num_updates)
-    self.num_params = models.count_params(self.model_config)
+    self.num_params = models.count_params(model_config)
     peak = (config.logging.peak_tflops_per_device * 1e12
             or profiling.peak_flops_per_device(self.mesh.devices.flat[0]))
     self.peak_flops = peak * self.mesh.devices.size if peak else None
     self.samples = []  # This step's sample rollouts, for the writer.
     dg = config.diagnostics
     self.spikes = spikes.SpikeDetector(dg.spike_factor, dg.spike_window, dg.spike_min_history)
-
-  def _scoring(self, run: run_spec.RunSpec):
-    """jit(``train_step.estimate_no_grad``) of ``run``: (params, batch, key, stress_mode=None)."""
-    return jax.jit(train_step.traced_under(
-        self.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
-            params, batch, key, graphdef=self.graphdef, run=run, stress_mode=stress_mode,
-            microbatch_sharding=train_step.microbatch_sharding(self.batch_sharding))),
-        static_argnames="stress_mode")
 
   def _restore(self, state: train_step.TrainState) -> tuple[train_step.TrainState, dict]:
     """The newest checkpoint that restores whole and finite, after checking that it is this
@@ -566,7 +244,7 @@ class Trainer:
         continue
       if "config" in meta:
         checkpointing.check_resume(self.config, meta["config"], where)
-      adapters_only = self.run_spec.lora and lora_base.holds_adapters_only(
+      adapters_only = self.parts.run.lora and lora_base.holds_adapters_only(
           stored.get("params", []), state.params)
       if adapters_only:  # This version's LoRA checkpoint: the base is this run's own.
         lora_base.check(meta.get(lora_base.META_KEY), self.base_identity, where)
@@ -612,7 +290,7 @@ class Trainer:
       print(f"sft step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
   def _model(self, params) -> nnx.Module:
-    return nnx.merge(self.graphdef, params)
+    return nnx.merge(self.parts.graphdef, params)
 
   def evaluate(self, params, key, **options) -> dict[str, float]:
     """Greedy decoding of the held-out prompts (``decoding.generate_batches``, the path every
@@ -633,36 +311,26 @@ class Trainer:
                                len(prompts.examples))
 
   def rl_step(self, step: int) -> dict[str, Any]:
-    """One RL step (the module's docstring): rollouts, l_old / l_ref, the updates, metrics."""
+    """RL step ``step`` (``rl_step.rl_step``) on the next batch; its metrics, on the host."""
     start = time.perf_counter()
     key = jax.random.fold_in(jax.random.wrap_key_data(self.state.key), step)
-    key_rollout, key_old, key_inner = jax.random.split(key, 3)
-    inner_keys = list(jax.random.split(key_inner, self.config.train.num_iterations))
-    rollouts = self.rollouts(self.state.params, next(self.data_iter), key_rollout,
-                             jax.random.fold_in(key, _STRESS_KEY),
-                             num_samples=self._samples_due(step))
+    self.state, out = rl_step_lib.rl_step(self.parts, self.fns, self.state, next(self.data_iter),
+                                          key, num_samples=self._samples_due(step))
+    rollouts = out.rollouts
     self.samples = rollouts.samples
-    old, ref, num_scorings = self._old_and_ref(rollouts.batch, key_old, inner_keys)
-    kl_start = None
-    if self.kl_to_start:  # KL(pi_old || pi_start), on pi_old's own rollouts.
-      kl_start = self._kl_to_start(rollouts.batch, key_old, None if old is None else old[0])
-    inner_device = self._updates(rollouts.batch, old, ref, inner_keys)
     # On the host: the metrics are replicated, and host code launches no computation on global
     # arrays that another process might order differently.
-    inner = jax.device_get(inner_device)
+    inner = jax.device_get(out.inner)
     per_sample = {name: np.stack([m.pop(name) for m in inner]) for name in list(inner[0])
                   if name.startswith(train_step.PER_SAMPLE)}  # [I, N] each.
     metrics = train_step.reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics.update(_ratio_noise([float(m["log_ratio/var"]) for m in inner
                                  if "log_ratio/var" in m]))
-    if kl_start is not None:
-      metrics["kl_start/mean"] = float(kl_start)
-    self.state = self.state.replace(
-        step=jax.device_put(np.int32(step + 1), self.state_shardings.step),  # Global everywhere.
-        objective_state=self.advance_objective_state(self.state.objective_state, inner_device))
+    if out.kl_start is not None:
+      metrics["kl_start/mean"] = float(out.kl_start)
     metrics.update(self._spike_metrics(step + 1, inner, per_sample, rollouts))
-    metrics.update(self._step_metrics(step, rollouts, num_scorings,
+    metrics.update(self._step_metrics(step, rollouts, out.num_scorings,
                                       elapsed=time.perf_counter() - start))
     return metrics
 
@@ -671,38 +339,6 @@ class Trainer:
     ``logging.samples_every_steps`` steps, else none."""
     every, num = self.config.logging.samples_every_steps, self.config.logging.num_samples
     return num if self.primary and every and (step + 1) % every == 0 else 0
-
-  def _old_and_ref(self, batch: rl_loss.RolloutBatch, key_old: jax.Array,
-                   inner_keys: list[jax.Array]) -> tuple[list | None, list | None, int]:
-    """l_old and l_ref for each inner update (None where the run has none), and how many
-    scoring passes ran per model.
-
-    Coupled (d1, ESPO): on each inner iteration's own masks, before any update. Independent
-    (StableDRL): once, on masks of their own, so that at the first iteration the ratio is pure
-    estimator noise.
-    """
-    keys, repeat = (inner_keys, 1) if self.run_spec.coupled_ratio else ([key_old],
-                                                                        len(inner_keys))
-    old = ref = None
-    if self.run_spec.needs_old:
-      old = [self.estimate_no_grad(self.state.params, batch, k, "hard") for k in keys] * repeat
-    if self.run_spec.uses_reference:
-      reference = self._start()
-      ref = [self.estimate_no_grad(reference, batch, k) for k in keys] * repeat
-    return old, ref, len(keys) * ((old is not None) + (ref is not None))
-
-  def _updates(self, batch: rl_loss.RolloutBatch, old: list | None, ref: list | None,
-               inner_keys: list[jax.Array]) -> list[dict[str, jax.Array]]:
-    """The ``train.num_iterations`` updates of one step, fresh masks each; their metrics."""
-    inner = []
-    for i, inner_key in enumerate(inner_keys):
-      if old is not None:
-        batch = batch.replace(old_logp=old[i])
-      if ref is not None:
-        batch = batch.replace(ref_logp=ref[i])
-      self.state, metrics = self.update(self.state, batch, inner_key)
-      inner.append(metrics)
-    return inner
 
   def _spike_metrics(self, step: int, inner: list[dict[str, Any]],
                      per_sample: dict[str, np.ndarray], rollouts: rollout_lib.Rollouts
@@ -728,35 +364,19 @@ class Trainer:
     length = r.prompt_length + r.gen_length
     flops = profiling.rl_step_flops(
         self.num_params, rollout_positions=float(rollouts.stats.model_calls.sum()) * length,
-        scored_positions=num_rows * self.spec.num_samples * length,
+        scored_positions=num_rows * self.parts.run.likelihood.num_samples * length,
         num_updates=train.num_iterations,
         num_scorings=num_scorings)  # passes run, not reused
     updates_done = (step + 1) * train.num_iterations
     return {
         **rollouts.stats.metrics([term.name for term in self.scorer.terms], r.group_size),
-        "learning_rate": float(self.schedule(updates_done - 1)),
+        "learning_rate": float(self.parts.schedule(updates_done - 1)),
         "skipped_steps": int(self.state.skipped_steps),
         "time/step_s": elapsed, "time/rollout_s": rollouts.seconds,
         "throughput/tokens_per_s": num_rows * r.gen_length / elapsed,
         "perf/tflops_per_s": flops / elapsed / 1e12,
         **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
     }
-
-  def _start(self) -> Any:
-    """The parameters of the start of RL: the kept copy, or with LoRA the base (adapters off)."""
-    if self.run_spec.lora:
-      return self._adapters_off(self.state.params)
-    return self.start_params
-
-  def _kl_to_start(self, batch: rl_loss.RolloutBatch, key: jax.Array, old) -> jax.Array:
-    """mean(l_old - l_start) over the batch's rollouts, both scored on the same masks (their
-    noise largely cancels) as sequence log-likelihoods (``normalize='sum'``, whatever the
-    objective's): an estimate of KL(pi_old || pi_start) in nats per sequence, since the rollouts
-    are pi_old's own samples. Token-level estimates are summed over each completion."""
-    del old  # Scored with the objective's normalization (and the stress test's masks).
-    now = self.estimate_sequence(self.state.params, batch, key)
-    start = self.estimate_sequence(self._start(), batch, key)
-    return _mean_sequence_gap(now, start, batch.completion_mask)
 
   def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
                     per_sample: dict[str, np.ndarray], rollouts: rollout_lib.Rollouts,
@@ -793,7 +413,7 @@ class Trainer:
     meta = {"data": self.data_iter.state(), "processes": jax.process_count(),
             "config": json.loads(self.config.to_json_best_effort())}
     state = self.state
-    if self.run_spec.lora:  # The adapters and their moments; the base is rebuilt (lora_base).
+    if self.parts.run.lora:  # The adapters and their moments; the base is rebuilt (lora_base).
       state = state.replace(params=lora_base.saved_params(state.params))
       meta[lora_base.META_KEY] = self.base_identity
     self.checkpointer.save(step, state, meta)
@@ -940,33 +560,6 @@ class Trainer:
 def _one_line(error: BaseException) -> str:
   """``error``'s type and message on one line (tensorstore's span many), at most 300 chars."""
   return " ".join(f"{type(error).__name__}: {error}".split())[:300]
-
-
-@jax.jit
-def _mean_sequence_gap(now: jax.Array, start: jax.Array, completion_mask: jax.Array) -> jax.Array:
-  """mean over rows of now - start: [N] sequence estimates, or [N, L] token ones (summed over
-  the completion)."""
-  gap = now - start
-  if gap.ndim == 2:
-    gap = jnp.sum(jnp.where(completion_mask, gap, 0.0), axis=-1)
-  return jnp.mean(gap)
-
-
-def needs_start(config: ml_collections.ConfigDict) -> bool:
-  """Whether a resumed run needs its start of RL: a KL reference, the kl_to_start diagnostic,
-  or a LoRA run's frozen base (its checkpoints hold the adapters only: ``lora_base``)."""
-  return (specs.uses_reference(config) or bool(config.diagnostics.get("kl_to_start", False))
-          or bool(config.model.lora.rank))
-
-
-def resumed_start(config: ml_collections.ConfigDict, workdir, mesh) -> nnx.Module:
-  """The supervised start of a resumed run, read back from ``<workdir>/sft_model``."""
-  path = epath.Path(workdir) / SFT_DIR
-  if not (path / "config.json").exists():
-    raise ValueError(f"{path}: the supervised start is gone, and the run's KL reference "
-                     "(or diagnostics.kl_to_start, or a LoRA run's frozen base) is it; restore "
-                     "it, or start the run in a new workdir")
-  return _check_loaded(config, _load_pretrained(path, mesh, config), path)
 
 
 def _ratio_noise(variances: list[float]) -> dict[str, float]:

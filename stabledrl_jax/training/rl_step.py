@@ -1,0 +1,157 @@
+"""One RL step as one function (docs/training.md, "One RL step"), read top to bottom:
+
+1. rollouts of the step's prompts from pi_old (the state's parameters), scored on the host;
+2. l_old under pi_old and l_ref under the start of RL, where the run has them;
+3. ``train.num_iterations`` updates, fresh masks each;
+4. the objective's state (StableDRL's adaptive clip bound) moved once.
+
+``rl_step(parts, fns, state, drawn, key) -> (state, outputs)`` returns the new state; the
+trainer's loop around it evaluates, logs, checkpoints and answers signals. Its metrics are the
+caller's: ``outputs`` holds the rollouts and each update's metrics on the devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax.training import build, rollout as rollout_lib, run_spec, train_step
+
+# Folded into the step key for the stress selection, so that the other keys stay as they were.
+STRESS_KEY = 0x57e55
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """The jitted functions of a run's RL step, built once by ``step_functions``.
+
+  Attributes:
+    collect: the host half (``rollout.RolloutCollector``): sample, decode, score.
+    update: one inner update, ``(state, batch, key) -> (state, metrics)``, state donated.
+    estimate: l(params) without gradient, ``(params, batch, key, stress_mode=None)``.
+    estimate_sequence: the same as sequence sums (``diagnostics.kl_to_start``), else None.
+    advance_objective_state: the objective's state after a step's updates.
+    start_params: the start of RL, kept where a KL term or kl_to_start needs it (without
+      LoRA; with LoRA the start is the base, the adapters off), else None.
+    num_iterations: inner updates per step (``train.num_iterations``).
+  """
+
+  collect: rollout_lib.RolloutCollector
+  update: Callable[..., Any]
+  estimate: Callable[..., Any]
+  estimate_sequence: Callable[..., Any] | None
+  advance_objective_state: Callable[..., Any]
+  adapters_off: Callable[..., Any]
+  start_params: Any
+  num_iterations: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+  """What one RL step leaves for the trainer's metrics.
+
+  Attributes:
+    rollouts: the step's rollouts (``rollout.Rollouts``).
+    inner: each update's metrics, on the devices (``train_step.update_step``'s).
+    num_scorings: scoring passes run per model (l_old and l_ref), for the FLOP count.
+    kl_start: mean(l_old - l_start) in nats per sequence (``diagnostics.kl_to_start``), else
+      None.
+  """
+
+  rollouts: rollout_lib.Rollouts
+  inner: list[dict[str, jax.Array]]
+  num_scorings: int
+  kl_start: jax.Array | None
+
+
+def scoring(parts: build.Parts, run: run_spec.RunSpec):
+  """jit(``train_step.estimate_no_grad``) of ``run``: (params, batch, key, stress_mode=None)."""
+  microbatches = train_step.microbatch_sharding(parts.batch_sharding)
+  return jax.jit(train_step.traced_under(
+      parts.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
+          params, batch, key, graphdef=parts.graphdef, run=run, stress_mode=stress_mode,
+          microbatch_sharding=microbatches)), static_argnames="stress_mode")
+
+
+def step_functions(parts: build.Parts, collect: rollout_lib.RolloutCollector, *,
+                   num_iterations: int, kl_to_start: bool, start_params: Any) -> StepFunctions:
+  """The jitted functions of ``parts``' RL step."""
+  run = parts.run
+  # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
+  sequence = dataclasses.replace(run, likelihood=dataclasses.replace(run.likelihood,
+                                                                     normalize="sum"))
+  return StepFunctions(
+      collect=collect, update=build.make_update(parts), estimate=scoring(parts, run),
+      estimate_sequence=scoring(parts, sequence) if kl_to_start else None,
+      advance_objective_state=jax.jit(
+          lambda objective_state, inner: train_step.advance_objective_state(
+              objective_state, inner, run=run),
+          out_shardings=parts.state_shardings.objective_state),
+      adapters_off=jax.jit(lora_lib.adapters_off), start_params=start_params,
+      num_iterations=num_iterations)
+
+
+def rl_step(parts: build.Parts, fns: StepFunctions, state: train_step.TrainState,
+            drawn: list[Any], key: jax.Array, *, num_samples: int = 0
+            ) -> tuple[train_step.TrainState, StepOutputs]:
+  """One RL step on the step's global batch of examples ``drawn``, with the step's ``key``
+  (``fold_in(run key, step)``); ``num_samples`` rollouts decoded for the log. Returns the state
+  after it (the step counted) and its outputs."""
+  run = parts.run
+  key_rollout, key_old, key_inner = jax.random.split(key, 3)
+  inner_keys = list(jax.random.split(key_inner, fns.num_iterations))
+  rollouts = fns.collect(state.params, drawn, key_rollout, jax.random.fold_in(key, STRESS_KEY),
+                         num_samples=num_samples)
+  batch = rollouts.batch
+  start = None
+  if run.uses_reference or fns.estimate_sequence is not None:
+    start = fns.adapters_off(state.params) if run.lora else fns.start_params
+
+  # l_old and l_ref. Coupled (d1, ESPO): on each update's own masks, before any update.
+  # Independent (StableDRL): once, on masks of their own, so that at the first update the
+  # ratio is pure estimator noise.
+  keys, repeat = (inner_keys, 1) if run.coupled_ratio else ([key_old], len(inner_keys))
+  old = ref = None
+  if run.needs_old:
+    old = [fns.estimate(state.params, batch, k, "hard") for k in keys] * repeat
+  if run.uses_reference:
+    ref = [fns.estimate(start, batch, k) for k in keys] * repeat
+  num_scorings = len(keys) * ((old is not None) + (ref is not None))
+  kl_start = None
+  if fns.estimate_sequence is not None:  # KL(pi_old || pi_start), on pi_old's own rollouts.
+    kl_start = _mean_sequence_gap(fns.estimate_sequence(state.params, batch, key_old),
+                                  fns.estimate_sequence(start, batch, key_old),
+                                  batch.completion_mask)
+
+  inner = []
+  for i, inner_key in enumerate(inner_keys):
+    if old is not None:
+      batch = batch.replace(old_logp=old[i])
+    if ref is not None:
+      batch = batch.replace(ref_logp=ref[i])
+    state, metrics = fns.update(state, batch, inner_key)
+    inner.append(metrics)
+
+  state = state.replace(
+      # A host value placed on the mesh: global on every process.
+      step=jax.device_put(np.int32(int(state.step) + 1), parts.state_shardings.step),
+      objective_state=fns.advance_objective_state(state.objective_state, inner))
+  return state, StepOutputs(rollouts=rollouts, inner=inner, num_scorings=num_scorings,
+                            kl_start=kl_start)
+
+
+@jax.jit
+def _mean_sequence_gap(now: jax.Array, start: jax.Array, completion_mask: jax.Array) -> jax.Array:
+  """mean over rows of now - start: [N] sequence estimates, or [N, L] token ones (summed over
+  the completion). Both on the same masks, so their noise largely cancels: an estimate of
+  KL(pi_old || pi_start) in nats per sequence, the rollouts being pi_old's own samples."""
+  gap = now - start
+  if gap.ndim == 2:
+    gap = jnp.sum(jnp.where(completion_mask, gap, 0.0), axis=-1)
+  return jnp.mean(gap)
+
