@@ -51,9 +51,6 @@ from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.training import mesh as mesh_lib, multihost
 
-D1_TASKS = ("gsm8k", "math500", "countdown", "sudoku")
-# The d1 test sets (docs/tasks.md) that are files; gsm8k and math500 come from the Hub.
-D1_TEST_FILES = {"countdown": "countdown_cd3_test.jsonl", "sudoku": "4x4_test_sudoku.csv"}
 D1_ASSISTANT_PREFIX = "<reasoning>"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9.-]+")
 
@@ -117,8 +114,8 @@ def load_test_set(task_name: str, source: str = "", *, data_dir: str = str(tasks
   if source and os.path.isdir(source):
     records = scoring.setup_records(source, task.name)[:limit or None]
     return [task.example_from_record(record) for record in records]
-  if not source and task.name in D1_TEST_FILES:
-    source = os.path.join(data_dir, D1_TEST_FILES[task.name])
+  if not source and task.test_file:
+    source = os.path.join(data_dir, task.test_file)
     if not os.path.isfile(source):
       raise FileNotFoundError(f"d1's {task.name} test set {source} does not exist; point "
                               f"--data_dir at it, or give another source (--data {task.name}="
@@ -349,11 +346,12 @@ class Options:
 
 
 def task_names(requested: Sequence[str]) -> list[str]:
-  """'all' -> d1's four tasks; otherwise each name checked against the registry."""
+  """'all' -> the evaluation suite (``tasks.suite()``: d1's four tasks); otherwise each name
+  checked against the registry."""
   names = []
   for name in requested:
     if name == "all":
-      names.extend(D1_TASKS)
+      names.extend(tasks.suite())
     elif name in tasks.list_tasks():
       names.append(name)
     else:

@@ -1,4 +1,4 @@
-"""Plug-ins defined in this file alone: an estimator method and a third model family.
+"""Plug-ins defined in this file alone: an estimator method, a third model family and a task.
 
 Each is one registration; the config check, the likelihood spec, the trainer, checkpoint IO and
 the evaluation path pick it up without another file knowing its name (docs/algorithms.md and
@@ -7,6 +7,7 @@ docs/models.md, "Adding ...").
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import estimators, models
+from stabledrl_jax import estimators, evaluate, models, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import llada
 from stabledrl_jax.models.llada import checkpoint as llada_checkpoint
@@ -214,3 +215,70 @@ def test_a_method_with_misshapen_masks_is_named():
   finally:
     estimators.unregister_method("per_row_rates")
     estimators.unregister_method("not_masks")
+
+
+# ---------------------------------------------------------------------------
+# A task: sort four digits.
+# ---------------------------------------------------------------------------
+
+
+def _sort_example(digits: str) -> tasks.Example:
+  answer = "".join(sorted(digits))
+  return tasks.Example(question=f"sort {digits}", ground_truth=answer, reference=answer)
+
+
+def _sorted_right(completion: str, example: tasks.Example) -> float:
+  """The share of the four answer digits in place (0 without an answer)."""
+  found = re.search(r"<answer>(\d{4})</answer>", completion)
+  if found is None:
+    return 0.0
+  return sum(a == b for a, b in zip(found.group(1), example.ground_truth)) / 4
+
+
+def _sort_generator(size, *, seed, split, **options):
+  del options
+  rng = np.random.default_rng([seed, split == "test"])
+  return [_sort_example("".join(map(str, rng.integers(1, 5, size=4)))) for _ in range(size)]
+
+
+def _sort_demonstrator(example, error_cells):
+  """Its habitual mistake: the first ``error_cells`` digits one too high (4 wraps to 1)."""
+  digits = list(example.reference)
+  for i in range(min(error_cells, len(digits))):
+    digits[i] = str(int(digits[i]) % 4 + 1)
+  return "".join(digits)
+
+
+@pytest.fixture
+def sort_task():
+  term = tasks.RewardTerm("correctness", 1.0, _sorted_right)
+  task = tasks.register_task(tasks.Task(
+      name="sort4", instruction="Sort the digits.", rewards={"stabledrl": (term,), "d1": (term,)},
+      parse_answer=lambda completion: completion,
+      score=lambda completion, example: tasks.ItemScore(4 * _sorted_right(completion, example),
+                                                        4.0),
+      example_from_record=lambda record: _sort_example(str(record["digits"])),
+      generator=_sort_generator, demonstrate=_sort_demonstrator, suite_position=9))
+  yield task
+  tasks.unregister_task("sort4")
+  assert "sort4" not in tasks.list_tasks() and "sort4" not in tasks.suite()
+
+
+def test_a_task_registered_in_a_test_file_trains_and_evaluates(tmp_path, sort_task):
+  """Its generator makes the data, its demonstrator the supervised start's answers, its reward
+  the RL signal; ``evaluate --task all`` includes it (its suite position), after d1's four."""
+  assert tasks.suite()[-1] == "sort4" and tasks.suite()[:4] == ["gsm8k", "math500", "countdown",
+                                                                 "sudoku"]
+  config = tiny_config(**{"task.name": "sort4", "task.with_instruction": False,
+                          "tokenizer.alphabet": " /0123456789:<>Sadeklnoprstuwz",
+                          "train.num_steps": 1, "eval.every_steps": 1, "sft.demo_error_cells": 1})
+  history = trainer.train(config, str(tmp_path / "run"))
+  assert len(history) == 1 and np.isfinite(history[0]["loss"])
+  assert 0.0 <= history[0]["eval/accuracy"] <= 100.0
+  assert evaluate.task_names(["all"])[-1] == "sort4"
+  results = evaluate.run(evaluate.Options(
+      checkpoint=str(tmp_path / "run"), task=["sort4"], output_dir=str(tmp_path / "eval"),
+      gen_lengths=[16], limit=4, batch_size=2, shard_size=2, data=["sort4=synthetic"],
+      block_length=16, steps=8))
+  (setup, result), = results.items()
+  assert setup.startswith("sort4") and result.n == 4 and 0.0 <= result.accuracy <= 100.0

@@ -36,6 +36,8 @@ from stabledrl_jax.tasks.base import HubSource
 from stabledrl_jax.tasks.base import ItemScore
 from stabledrl_jax.tasks.base import list_tasks
 from stabledrl_jax.tasks.base import register_task
+from stabledrl_jax.tasks.base import suite
+from stabledrl_jax.tasks.base import unregister_task
 from stabledrl_jax.tasks.base import PROMPT_STYLES
 from stabledrl_jax.tasks.base import REWARD_SCHEMES
 from stabledrl_jax.tasks.base import RewardTerm
@@ -146,6 +148,8 @@ __all__ = [
     "math500",
     "read_records",
     "register_task",
+    "suite",
+    "unregister_task",
     "solve_countdown",
     "sudoku",
 ]

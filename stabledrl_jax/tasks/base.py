@@ -12,9 +12,11 @@ A task bundles what the RL loop and the evaluator need to know about a problem f
 - how raw dataset records become examples (`Task.example_from_record`), and where the
   dataset lives on the Hugging Face Hub.
 
-Tasks register themselves by name; `get_task("countdown")` returns one. To add a task, build a
-`Task` in a new module of this package, `register_task` it, and import the module in
-`stabledrl_jax/tasks/__init__.py` (see docs/tasks.md).
+Tasks register themselves by name; `get_task("countdown")` returns one. A task is one module:
+it builds a `Task` (its synthetic generator, its imperfect demonstrator and its place in the
+evaluation suite included) and calls `register_task`; to ship it, import the module in
+`stabledrl_jax/tasks/__init__.py`; a task registered from the user's own code works the same
+(see docs/tasks.md).
 """
 
 from __future__ import annotations
@@ -136,6 +138,14 @@ class Task:
     aliases: other names accepted by `get_task`.
     stabledrl_prompt: example -> the prompt of the official StableDRL dataloader (its
       template, instruction included); None if the official code has no such task.
+    generator: ``(size, *, seed, split, **options) -> examples``, the synthetic dataset of
+      ``data.train='synthetic'`` (options: ``config.data.generator``); None: the task has none.
+    demonstrate: the reference as an imperfect demonstrator writes it when it errs,
+      ``(example, error_cells) -> reference`` (``config.sft.demo_error_rate``); None: none.
+    suite_position: its place in ``evaluate --task all`` (d1's evaluation suite), None if it
+      is not part of it.
+    test_file: the packaged test set ``evaluate`` reads by default (``tasks.PACKAGED_DATA``),
+      None: the task's Hub test set.
   """
 
   name: str
@@ -147,6 +157,10 @@ class Task:
   hub_sources: Mapping[str, HubSource] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
   stabledrl_prompt: Callable[[Example], str] | None = None
+  generator: Callable[..., Any] | None = None
+  demonstrate: Callable[[Example, int], str] | None = None
+  suite_position: int | None = None
+  test_file: str | None = None
 
   def __post_init__(self):
     if set(self.rewards) != set(REWARD_SCHEMES):
@@ -206,12 +220,25 @@ def register_task(task: Task) -> Task:
   return task
 
 
+def unregister_task(name: str) -> None:
+  """Removes the task called ``name`` and its aliases (a plug-in's test cleans up after itself)."""
+  task = get_task(name)
+  for key in (task.name, *task.aliases):
+    _REGISTRY.pop(key, None)
+
+
 def get_task(name: str) -> Task:
   """The registered task called `name` (or one of its aliases)."""
   try:
     return _REGISTRY[name]
   except KeyError:
     raise KeyError(f"Unknown task {name!r}; registered: {', '.join(list_tasks())}.") from None
+
+
+def suite() -> list[str]:
+  """The tasks of ``evaluate --task all``, in their ``suite_position`` order."""
+  tasks = {task.name: task for task in _REGISTRY.values() if task.suite_position is not None}
+  return sorted(tasks, key=lambda name: tasks[name].suite_position)
 
 
 def list_tasks() -> list[str]:

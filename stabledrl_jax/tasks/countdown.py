@@ -92,6 +92,16 @@ def _score(completion: str, example: base.Example) -> base.ItemScore:
   return base.ItemScore(float(d1_protocol.countdown_correct(completion, numbers, target)), 1.0)
 
 
+def _generate(size: int, *, seed: int, split: str, **options: Any) -> CountdownGenerator:
+  """``data.train='synthetic'``: ``CountdownGenerator`` (options: number_range, target_range;
+  one distribution for both splits)."""
+  del split
+  for name in ("number_range", "target_range"):
+    if name in options:
+      options[name] = tuple(options[name])
+  return CountdownGenerator(size, seed=seed, **options)
+
+
 TASK = base.register_task(base.Task(
     name="countdown",
     instruction=INSTRUCTION,
@@ -108,6 +118,9 @@ TASK = base.register_task(base.Task(
     # The official StableDRL config trains on the d1 test file (packaged: "countdown_cd3_test.jsonl").
     hub_sources={"train": base.HubSource("Jiayi-Pan/Countdown-Tasks-3to4", split="train")},
     stabledrl_prompt=stabledrl_prompt,
+    generator=_generate,
+    suite_position=2,
+    test_file="countdown_cd3_test.jsonl",
 ))
 
 

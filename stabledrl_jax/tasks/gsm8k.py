@@ -88,4 +88,5 @@ TASK = base.register_task(base.Task(
                  "test": base.HubSource("openai/gsm8k", config="main", split="test")},
     aliases=("gsm",),
     stabledrl_prompt=base.stabledrl_boxed_prompt,
+    suite_position=0,
 ))

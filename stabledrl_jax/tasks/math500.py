@@ -90,4 +90,5 @@ TASK = base.register_task(base.Task(
     },
     aliases=("math",),
     stabledrl_prompt=base.stabledrl_boxed_prompt,
+    suite_position=1,
 ))

@@ -103,6 +103,23 @@ def _parse_answer(completion: str) -> str | None:
   return task_rewards.sudoku_answer(completion, NUM_CELLS)
 
 
+def _generate(size: int, *, seed: int, split: str, **options: Any) -> SudokuGenerator:
+  """``data.train='synthetic'``: ``SudokuGenerator`` (options: split, blanks_range)."""
+  options.setdefault("split", split)
+  options["blanks_range"] = tuple(options.get("blanks_range", (6, 10)))
+  return SudokuGenerator(size, seed=seed, **options)
+
+
+def _demonstrate(example: base.Example, error_cells: int) -> str:
+  """The demonstrator's habitual mistake: the digit of each of the first ``error_cells`` blank
+  cells replaced by the next digit (4 wraps to 1)."""
+  cells = list(example.reference)
+  blanks = [i for i, digit in enumerate(puzzle_of(example)) if digit == "0"][:error_cells]
+  for i in blanks:
+    cells[i] = str(int(cells[i]) % 4 + 1)
+  return "".join(cells)
+
+
 TASK = base.register_task(base.Task(
     name="sudoku",
     instruction=INSTRUCTION,
@@ -112,6 +129,10 @@ TASK = base.register_task(base.Task(
     score=_score,
     example_from_record=example_from_record,
     stabledrl_prompt=stabledrl_prompt,
+    generator=_generate,
+    demonstrate=_demonstrate,
+    suite_position=3,
+    test_file="4x4_test_sudoku.csv",
 ))
 
 

@@ -94,14 +94,10 @@ def noisy_demonstration(task: tasks.Task, example: tasks.Example, rng: np.random
   reference = example.reference
   if error_rate == 0.0 or rng.random() >= error_rate:
     return reference
-  if task.name != "sudoku":
-    raise ValueError(f"config.sft.demo_error_rate > 0 is defined for sudoku, not {task.name!r}.")
-  puzzle = tasks.sudoku.puzzle_of(example)
-  cells = list(reference)
-  blanks = [i for i, digit in enumerate(puzzle) if digit == "0"][:error_cells]
-  for i in blanks:
-    cells[i] = str(int(cells[i]) % 4 + 1)
-  return "".join(cells)
+  if task.demonstrate is None:
+    raise ValueError(f"config.sft.demo_error_rate > 0 needs a task with an imperfect "
+                     f"demonstrator (Task.demonstrate), and {task.name!r} has none.")
+  return task.demonstrate(example, error_cells)
 
 
 def encode_prompts(tokenizer, texts: Sequence[str], prompt_length: int | None
@@ -158,18 +154,11 @@ def _make_examples(config: ml_collections.ConfigDict, split: str) -> Sequence[ta
       return tasks.load_examples(config.task.name, None if source == "hub" else source,
                                  split=hub_split, limit=size or None)
   task = tasks.get_task(config.task.name)
-  generator_options = dict(config.data.generator)
-  if task.name == "sudoku":
-    generator_options.setdefault("split", "train" if split == "train" else "test")
-    generator_options["blanks_range"] = tuple(generator_options.get("blanks_range", (6, 10)))
-    return tasks.SudokuGenerator(size, seed=seed, **generator_options)
-  if task.name == "countdown":
-    for name in ("number_range", "target_range"):
-      if name in generator_options:
-        generator_options[name] = tuple(generator_options[name])
-    return tasks.CountdownGenerator(size, seed=seed, **generator_options)
-  raise ValueError(f"config.data.{split}='synthetic' needs a task with a generator "
-                   f"(countdown, sudoku), got {task.name!r}.")
+  if task.generator is None:
+    having = [name for name in tasks.list_tasks() if tasks.get_task(name).generator]
+    raise ValueError(f"config.data.{split}='synthetic' needs a task with a generator "
+                     f"({', '.join(having)}), got {task.name!r}.")
+  return task.generator(size, seed=seed, split=hub_split, **dict(config.data.generator))
 
 
 @dataclasses.dataclass
