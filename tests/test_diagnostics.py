@@ -15,7 +15,7 @@ import pytest
 
 from stabledrl_jax import estimators, objectives
 from stabledrl_jax.objectives import stabledrl as sdrl
-from stabledrl_jax.training import checkpointing, config_lib, spikes, sweep, trainer
+from stabledrl_jax.training import checkpointing, config_lib, spikes, step_metrics, sweep, trainer
 
 from test_training import REPO, tiny_config, workdir_with_start
 
@@ -148,11 +148,11 @@ def test_log_ratio_variance_ignores_padding_and_infinities():
 
 
 def test_noise_share_from_the_inner_updates():
-  assert trainer._ratio_noise([0.5, 1.0]) == {"ratio_noise/var_first": 0.5,
+  assert step_metrics.ratio_noise([0.5, 1.0]) == {"ratio_noise/var_first": 0.5,
                                               "ratio_noise/share": 0.5}
-  assert trainer._ratio_noise([0.04])["ratio_noise/share"] == 1.0  # One update: all noise.
-  assert trainer._ratio_noise([0.0, 0.3])["ratio_noise/share"] == 0.0  # Coupled masks.
-  assert trainer._ratio_noise([0.0, 0.0]) == {} and trainer._ratio_noise([]) == {}
+  assert step_metrics.ratio_noise([0.04])["ratio_noise/share"] == 1.0  # One update: all noise.
+  assert step_metrics.ratio_noise([0.0, 0.3])["ratio_noise/share"] == 0.0  # Coupled masks.
+  assert step_metrics.ratio_noise([0.0, 0.0]) == {} and step_metrics.ratio_noise([]) == {}
 
 
 def test_a_run_logs_the_diagnostics_and_an_adaptive_bound_that_follows_its_controller(

@@ -254,7 +254,7 @@ def test_a_failed_export_leaves_the_output_as_it_was(workdir, tmp_path, monkeypa
     raise OSError(errno.ENOSPC, "No space left on device")
 
   monkeypatch.setattr(hf_io, "save_file", full)
-  with pytest.raises(ValueError, match=rf"^--output: cannot write .*model.safetensors: no space"):
+  with pytest.raises(ValueError, match=r"^--output: cannot write .*model.safetensors: no space"):
     export.export(str(workdir), str(out), overwrite=True)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
   assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -14,6 +14,7 @@ shards and agrees on completion.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,6 +35,8 @@ from absl import flags, logging
 from etils import epath
 
 from stabledrl_jax import workdir_files
+from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax.training import lora_base
 # The workdir's one way to write, and its error (``workdir_files``), as this module's names.
 from stabledrl_jax.workdir_files import WorkdirError, is_local, writing  # pylint: disable=unused-import
 
@@ -343,6 +346,127 @@ def check_resume(config: Any, saved: dict[str, Any], where: str) -> None:
   if diffs:
     raise ValueError(f"config does not match {where}: " + "; ".join(diffs) + ". Resume with the "
                      "checkpoint's values, or start a new --workdir.")
+
+
+# ---------------------------------------------------------------------------
+# Resuming a run: the newest checkpoint that restores, older layouts, damage set aside.
+# ---------------------------------------------------------------------------
+
+# Top-level fields of older checkpoints' states that now live in ``TrainState.objective_state``:
+# StableDRL's clip bound was ``TrainState.log_clip_hi``.
+_LEGACY_OBJECTIVE_FIELDS = ("log_clip_hi",)
+
+
+def _restore_item(fields: dict[str, Any], stored: dict[str, list[tuple[int, ...]]],
+                  where: str) -> dict[str, Any]:
+  """What to restore of a checkpoint whose state has ``stored`` fields, as a dict of abstract
+  arrays: this state's ``fields``, with an older checkpoint's layout where it has one.
+
+  A checkpoint without ``objective_state`` (or with an empty one) restores the rest, and the
+  missing subtree starts as a fresh run's (``_restored_state``), except a legacy top-level
+  leaf that the objective state holds under the same name (StableDRL's ``log_clip_hi``).
+
+  Raises:
+    ValueError: the stored arrays do not have this state's shapes (another model).
+  """
+  objective_state = fields["objective_state"]
+  item = {name: value for name, value in fields.items() if name in stored}
+  for name in _LEGACY_OBJECTIVE_FIELDS:
+    if name in stored and name not in fields:  # Read and dropped unless the state holds it.
+      like = objective_state.get(name) if isinstance(objective_state, dict) else None
+      item[name] = like if like is not None else jax.ShapeDtypeStruct(
+          (), jnp.float32, sharding=fields["step"].sharding)
+  want = sorted(tuple(x.shape) for x in jax.tree.leaves(item))
+  have = sorted(shape for shapes in stored.values() for shape in shapes)
+  required = set(fields) - {"objective_state"}
+  if want != have or not required <= set(stored):
+    full = sorted(tuple(x.shape) for x in jax.tree.leaves(fields))
+    mismatch = next(((a, b) for a, b in zip(have, full) if a != b), (len(have), len(full)))
+    raise ValueError(f"config does not match {where}: its {len(have)} arrays do not have "
+                     f"the shapes of this model's state ({len(full)}; e.g. "
+                     f"{mismatch[0]} stored vs {mismatch[1]}). Resume with the "
+                     "checkpoint's model config, or start a new --workdir.")
+  return item
+
+
+def _restored_state(fresh: Any, restored: dict[str, Any]) -> Any:
+  """The state of a restored ``_restore_item``: missing objective state from ``fresh``."""
+  objective_state = restored.pop("objective_state", None)
+  if objective_state is None or not jax.tree.leaves(objective_state):
+    objective_state = fresh.objective_state
+    if isinstance(objective_state, dict):
+      objective_state = {**objective_state, **{
+          name: restored[name] for name in _LEGACY_OBJECTIVE_FIELDS
+          if name in restored and name in objective_state}}
+  for name in _LEGACY_OBJECTIVE_FIELDS:
+    restored.pop(name, None)
+  return fresh.replace(**restored, objective_state=objective_state)
+
+
+def restore_run(checkpointer: Checkpointer, state: Any, config: Any, *,
+                base_identity: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+  """The newest checkpoint of ``checkpointer`` that restores whole and finite into ``state``
+  (a fresh ``TrainState``, placed as the run places it), and its meta; after checking that it
+  is this run's (``check_resume``, before anything is written).
+
+  Checkpoints newer than it that cannot be read, or whose parameters are not all finite, are
+  moved to ``<workdir>/checkpoints_damaged/`` with a warning naming why. If none restores,
+  nothing is moved (a fault that hits every step is not damage) and the error says why the
+  latest failed. A checkpoint of another run (other model, objective, tokenizer) is an error,
+  never damage. ``base_identity`` (a LoRA run's ``lora_base.identity``): a checkpoint of the
+  adapters alone is checked against it and joined with ``state``'s base.
+  """
+  abstract = abstract_like(state)
+  fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
+  damaged = []
+  for step in reversed(checkpointer.all_steps()):
+    where = f"{checkpointer.directory}/{step}"
+    try:
+      meta = checkpointer.restore_meta(step)
+      stored = checkpointer.stored_fields(step)
+    except Exception as error:  # pylint: disable=broad-except
+      damaged.append((step, f"its metadata cannot be read ({one_line(error)})"))
+      continue
+    if "config" in meta:
+      check_resume(config, meta["config"], where)
+    adapters_only = base_identity is not None and lora_base.holds_adapters_only(
+        stored.get("params", []), state.params)
+    if adapters_only:  # This version's LoRA checkpoint: the base is this run's own.
+      lora_base.check(meta.get(lora_base.META_KEY), base_identity, where)
+      fields["params"] = lora_base.saved_params(abstract.params)
+    else:
+      fields["params"] = abstract.params
+    item = _restore_item(fields, stored, where)
+    try:
+      restored, meta = checkpointer.restore(step, item)
+    except Exception as error:  # pylint: disable=broad-except
+      damaged.append((step, f"it cannot be restored ({one_line(error)})"))
+      continue
+    if adapters_only:
+      restored["params"] = lora_lib.join(restored["params"], lora_lib.split(state.params)[1])
+    restored = _restored_state(state, restored)
+    bad = nonfinite_leaves(restored.params)
+    if bad:
+      damaged.append((step, f"{len(bad)} parameters are not finite ({', '.join(bad[:3])}"
+                            + (", ..." if len(bad) > 3 else "") + ")"))
+      continue
+    for bad_step, why in damaged:
+      target = checkpointer.set_aside(bad_step)
+      message = (f"checkpoint step {bad_step} is damaged: {why[:300]}; moved to {target}; "
+                 f"resuming from step {step}")
+      if jax.process_index() == 0:
+        logging.warning(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    return restored, meta
+  latest, why = damaged[0]
+  raise ValueError(f"no checkpoint in {checkpointer.directory} can be restored; the latest "
+                   f"(step {latest}): {why[:300]}. Nothing was moved; fix the cause, or start "
+                   "a new --workdir")
+
+
+def one_line(error: BaseException) -> str:
+  """``error``'s type and message on one line (tensorstore's span many), at most 300 chars."""
+  return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
 class WorkdirLock:

@@ -21,83 +21,27 @@ processes, and ends the run normally; rerunning the command continues exactly.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import sys
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import tqdm
 from absl import logging
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import models, profiling, tasks, workdir_files
-from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax import tasks, workdir_files
 from stabledrl_jax.training import build, checkpointing, data, decoding, lora_base
 from stabledrl_jax.training import mesh as mesh_lib, metrics_writer, multihost, preemption
 from stabledrl_jax.training import reward_pool, rl_step as rl_step_lib, rollout as rollout_lib
-from stabledrl_jax.training import specs, spikes, supervised, train_step
+from stabledrl_jax.training import specs, step_metrics, supervised
+
 
 class TooManySkipsError(RuntimeError):
   """Raised after ``train.max_consecutive_skips`` non-finite updates in a row."""
-
-
-# Top-level fields of older checkpoints' states that now live in ``TrainState.objective_state``:
-# StableDRL's clip bound was ``TrainState.log_clip_hi``.
-_LEGACY_OBJECTIVE_FIELDS = ("log_clip_hi",)
-
-
-def _restore_item(fields: dict[str, Any], stored: dict[str, list[tuple[int, ...]]],
-                  where: str) -> dict[str, Any]:
-  """What to restore of a checkpoint whose state has ``stored`` fields, as a dict of abstract
-  arrays: this state's ``fields``, with an older checkpoint's layout where it has one.
-
-  A checkpoint without ``objective_state`` (or with an empty one) restores the rest, and the
-  missing subtree starts as a fresh run's (``_restored_state``), except a legacy top-level
-  leaf that the objective state holds under the same name (StableDRL's ``log_clip_hi``).
-
-  Raises:
-    ValueError: the stored arrays do not have this state's shapes (another model).
-  """
-  objective_state = fields["objective_state"]
-  item = {name: value for name, value in fields.items() if name in stored}
-  for name in _LEGACY_OBJECTIVE_FIELDS:
-    if name in stored and name not in fields:  # Read and dropped unless the state holds it.
-      like = objective_state.get(name) if isinstance(objective_state, dict) else None
-      item[name] = like if like is not None else jax.ShapeDtypeStruct(
-          (), jnp.float32, sharding=fields["step"].sharding)
-  want = sorted(tuple(x.shape) for x in jax.tree.leaves(item))
-  have = sorted(shape for shapes in stored.values() for shape in shapes)
-  required = set(fields) - {"objective_state"}
-  if want != have or not required <= set(stored):
-    full = sorted(tuple(x.shape) for x in jax.tree.leaves(fields))
-    mismatch = next(((a, b) for a, b in zip(have, full) if a != b), (len(have), len(full)))
-    raise ValueError(f"config does not match {where}: its {len(have)} arrays do not have "
-                     f"the shapes of this model's state ({len(full)}; e.g. "
-                     f"{mismatch[0]} stored vs {mismatch[1]}). Resume with the "
-                     "checkpoint's model config, or start a new --workdir.")
-  return item
-
-
-def _restored_state(fresh: train_step.TrainState, restored: dict[str, Any]
-                    ) -> train_step.TrainState:
-  """The state of a restored ``_restore_item``: missing objective state from ``fresh``."""
-  objective_state = restored.pop("objective_state", None)
-  if objective_state is None or not jax.tree.leaves(objective_state):
-    objective_state = fresh.objective_state
-    if isinstance(objective_state, dict):
-      objective_state = {**objective_state, **{
-          name: restored[name] for name in _LEGACY_OBJECTIVE_FIELDS
-          if name in restored and name in objective_state}}
-  for name in _LEGACY_OBJECTIVE_FIELDS:
-    restored.pop(name, None)
-  return fresh.replace(**restored, objective_state=objective_state)
 
 
 class Trainer:
@@ -203,7 +147,8 @@ class Trainer:
     self.start_step = 0
     self.base_identity = (lora_base.identity(config, self.workdir) if parts.run.lora else None)
     if latest is not None:
-      state, meta = self._restore(state)
+      state, meta = checkpointing.restore_run(self.checkpointer, state, config,
+                                              base_identity=self.base_identity)
       self.data_iter.restore(meta["data"])
       self.start_step = int(state.step)
     self.state = state
@@ -213,73 +158,9 @@ class Trainer:
     self.writer = (metrics_writer.MetricsWriter(
         self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
         config=json.loads(config.to_json_best_effort())) if self.primary else None)
-    self.num_params = models.count_params(model_config)
-    peak = (config.logging.peak_tflops_per_device * 1e12
-            or profiling.peak_flops_per_device(self.mesh.devices.flat[0]))
-    self.peak_flops = peak * self.mesh.devices.size if peak else None
+    self.step_log = step_metrics.StepLog(config, parts, self.rollouts.split, self.tokenizer,
+                                         self.workdir, [term.name for term in self.scorer.terms])
     self.samples = []  # This step's sample rollouts, for the writer.
-    dg = config.diagnostics
-    self.spikes = spikes.SpikeDetector(dg.spike_factor, dg.spike_window, dg.spike_min_history)
-
-  def _restore(self, state: train_step.TrainState) -> tuple[train_step.TrainState, dict]:
-    """The newest checkpoint that restores whole and finite, after checking that it is this
-    run's (``checkpointing.check_resume``, before anything is written).
-
-    Checkpoints newer than it that cannot be read, or whose parameters are not all finite, are
-    moved to ``<workdir>/checkpoints_damaged/`` with a warning naming why. If none restores,
-    nothing is moved (a fault that hits every step is not damage) and the error says why the
-    latest failed. A checkpoint of another run (other model, objective, tokenizer) is an error,
-    never damage.
-    """
-    abstract = checkpointing.abstract_like(state)
-    fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
-    damaged = []
-    for step in reversed(self.checkpointer.all_steps()):
-      where = f"{self.checkpointer.directory}/{step}"
-      try:
-        meta = self.checkpointer.restore_meta(step)
-        stored = self.checkpointer.stored_fields(step)
-      except Exception as error:  # pylint: disable=broad-except
-        damaged.append((step, f"its metadata cannot be read ({_one_line(error)})"))
-        continue
-      if "config" in meta:
-        checkpointing.check_resume(self.config, meta["config"], where)
-      adapters_only = self.parts.run.lora and lora_base.holds_adapters_only(
-          stored.get("params", []), state.params)
-      if adapters_only:  # This version's LoRA checkpoint: the base is this run's own.
-        lora_base.check(meta.get(lora_base.META_KEY), self.base_identity, where)
-        fields["params"] = lora_base.saved_params(abstract.params)
-      else:
-        fields["params"] = abstract.params
-      item = _restore_item(fields, stored, where)
-      try:
-        restored, meta = self.checkpointer.restore(step, item)
-      except Exception as error:  # pylint: disable=broad-except
-        damaged.append((step, f"it cannot be restored ({_one_line(error)})"))
-        continue
-      if adapters_only:
-        restored["params"] = lora_lib.join(restored["params"], lora_lib.split(state.params)[1])
-      restored = _restored_state(state, restored)
-      bad = checkpointing.nonfinite_leaves(restored.params)
-      if bad:
-        damaged.append((step, f"{len(bad)} parameters are not finite ({', '.join(bad[:3])}"
-                              + (", ..." if len(bad) > 3 else "") + ")"))
-        continue
-      for bad_step, why in damaged:
-        self._set_aside(bad_step, why, step)
-      return restored, meta
-    latest, why = damaged[0]
-    raise ValueError(f"no checkpoint in {self.checkpointer.directory} can be restored; the latest "
-                     f"(step {latest}): {why[:300]}. Nothing was moved; fix the cause, or start "
-                     "a new --workdir")
-
-  def _set_aside(self, step: int, why: str, fallback: int) -> None:
-    target = self.checkpointer.set_aside(step)
-    message = (f"checkpoint step {step} is damaged: {why[:300]}; moved to {target}; resuming "
-               f"from step {fallback}")
-    if self.primary:
-      logging.warning(message)
-      print(f"warning: {message}", file=sys.stderr, flush=True)
 
   # -------------------------------------------------------------------------
   # Pieces of a step.
@@ -316,94 +197,14 @@ class Trainer:
     key = jax.random.fold_in(jax.random.wrap_key_data(self.state.key), step)
     self.state, out = rl_step_lib.rl_step(self.parts, self.fns, self.state, next(self.data_iter),
                                           key, num_samples=self._samples_due(step))
-    rollouts = out.rollouts
-    self.samples = rollouts.samples
-    # On the host: the metrics are replicated, and host code launches no computation on global
-    # arrays that another process might order differently.
-    inner = jax.device_get(out.inner)
-    per_sample = {name: np.stack([m.pop(name) for m in inner]) for name in list(inner[0])
-                  if name.startswith(train_step.PER_SAMPLE)}  # [I, N] each.
-    metrics = train_step.reduce_metrics(jax.tree.map(lambda *xs: np.stack(xs), *inner))
-    metrics = {k: float(v) for k, v in metrics.items()}
-    metrics.update(_ratio_noise([float(m["log_ratio/var"]) for m in inner
-                                 if "log_ratio/var" in m]))
-    if out.kl_start is not None:
-      metrics["kl_start/mean"] = float(out.kl_start)
-    metrics.update(self._spike_metrics(step + 1, inner, per_sample, rollouts))
-    metrics.update(self._step_metrics(step, rollouts, out.num_scorings,
-                                      elapsed=time.perf_counter() - start))
-    return metrics
+    self.samples = out.rollouts.samples
+    return self.step_log.metrics(step, out, self.state, start=start)
 
   def _samples_due(self, step: int) -> int:
     """How many rollouts step ``step`` logs: ``logging.num_samples`` on process 0 every
     ``logging.samples_every_steps`` steps, else none."""
     every, num = self.config.logging.samples_every_steps, self.config.logging.num_samples
     return num if self.primary and every and (step + 1) % every == 0 else 0
-
-  def _spike_metrics(self, step: int, inner: list[dict[str, Any]],
-                     per_sample: dict[str, np.ndarray], rollouts: rollout_lib.Rollouts
-                     ) -> dict[str, float]:
-    """Checks step ``step``'s gradient norms for a spike; records it (``_record_spike``)."""
-    reason, norm, median = self.spikes.check(
-        np.asarray([m["grad_norm"] for m in inner]),
-        skipped=any(int(m["skipped"]) for m in inner))
-    if reason is None:
-      return {}
-    # Replicated metrics: every process takes this branch (it gathers rows).
-    self._record_spike(step, reason, inner, per_sample, rollouts, median)
-    out = {"spike/step": step}
-    if median > 0 and math.isfinite(norm):  # Not for a non-finite step, nor before history.
-      out["spike/grad_norm_over_median"] = norm / median
-    return out
-
-  def _step_metrics(self, step: int, rollouts: rollout_lib.Rollouts, num_scorings: int, *,
-                    elapsed: float) -> dict[str, float]:
-    """The rollouts' statistics, the schedule, skips, time and throughput of step ``step``."""
-    r, train = self.config.rollout, self.config.train
-    num_rows = self.rollouts.split.num_rows
-    length = r.prompt_length + r.gen_length
-    flops = profiling.rl_step_flops(
-        self.num_params, rollout_positions=float(rollouts.stats.model_calls.sum()) * length,
-        scored_positions=num_rows * self.parts.run.likelihood.num_samples * length,
-        num_updates=train.num_iterations,
-        num_scorings=num_scorings)  # passes run, not reused
-    updates_done = (step + 1) * train.num_iterations
-    return {
-        **rollouts.stats.metrics([term.name for term in self.scorer.terms], r.group_size),
-        "learning_rate": float(self.parts.schedule(updates_done - 1)),
-        "skipped_steps": int(self.state.skipped_steps),
-        "time/step_s": elapsed, "time/rollout_s": rollouts.seconds,
-        "throughput/tokens_per_s": num_rows * r.gen_length / elapsed,
-        "perf/tflops_per_s": flops / elapsed / 1e12,
-        **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
-    }
-
-  def _record_spike(self, step: int, reason: str, inner: list[dict[str, Any]],
-                    per_sample: dict[str, np.ndarray], rollouts: rollout_lib.Rollouts,
-                    median: float) -> None:
-    """Writes ``<workdir>/spikes/step_<step>.npz`` (``spikes.SPIKE_FIELDS``) on process 0, with
-    every process's rows (gathered: a collective every process enters)."""
-    prompt_length = self.config.rollout.prompt_length
-    tokens, stressed = rollouts.tokens, rollouts.stressed
-    gathered = multihost.gather_rows(np.column_stack(
-        [tokens, rollouts.advantages[:, None], np.zeros((len(tokens), 1)) if stressed is None
-         else stressed[:, None]]).astype(np.float64), self.rollouts.split)
-    if not self.primary:
-      return
-    all_tokens = gathered[:, :tokens.shape[1]].astype(np.int64)
-    path = spikes.write_spike(self.workdir, step, {
-        "step": step, "reason": reason, "median": median,
-        "factor": self.config.diagnostics.spike_factor,
-        "grad_norm": np.asarray([float(m["grad_norm"]) for m in inner]),
-        "prompts": np.asarray(data.decode_completions(self.tokenizer,
-                                                      all_tokens[:, :prompt_length])),
-        "completions": np.asarray(data.decode_completions(self.tokenizer,
-                                                          all_tokens[:, prompt_length:])),
-        "rewards": rollouts.stats.rewards, "advantages": gathered[:, -2],
-        "stressed": gathered[:, -1] > 0,
-        **per_sample})
-    logging.warning("Step %d: %s spike (gradient norms %s, median %.4g); its rollouts are in %s",
-                    step, reason, [f"{float(m['grad_norm']):.4g}" for m in inner], median, path)
 
   # -------------------------------------------------------------------------
   # The loop.
@@ -555,25 +356,6 @@ class Trainer:
     if self.writer is not None:
       with checkpointing.writing(self.workdir / "metrics.jsonl"):
         self.writer.write(step, metrics)
-
-
-def _one_line(error: BaseException) -> str:
-  """``error``'s type and message on one line (tensorstore's span many), at most 300 chars."""
-  return " ".join(f"{type(error).__name__}: {error}".split())[:300]
-
-
-def _ratio_noise(variances: list[float]) -> dict[str, float]:
-  """How much of log rho's spread is estimator noise, from its variance over the batch on each
-  inner update (``log_ratio/var``).
-
-  On the first update the policy is pi_old: log rho is pure estimator noise (exactly 0 for
-  coupled masks), so ``ratio_noise/share`` = var(first) / var(last), capped at 1, is the share
-  of the last update's variance that noise explains (1 with one update per step).
-  """
-  if not variances or not variances[-1] > 0:
-    return {}
-  return {"ratio_noise/var_first": variances[0],
-          "ratio_noise/share": min(1.0, variances[0] / variances[-1])}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | epath.PathLike, *,
