@@ -21,6 +21,7 @@ import zipfile
 
 import pytest
 
+from stabledrl_jax import cli_flags
 from stabledrl_jax.training import config_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -165,10 +166,10 @@ def test_the_wheel_has_the_configs_data_and_console_scripts(venv, tmp_path):
   got = _run_python(venv, """
       import json, sys
       import stabledrl_jax
-      from stabledrl_jax import tasks
+      from stabledrl_jax import cli_flags, tasks
       from stabledrl_jax.training import config_lib
-      argv = config_lib.resolve_config_flag(["train", "--config", "quickstart",
-                                             "--config.seed=3"])
+      argv = cli_flags.resolve_config_flag(["train", "--config", "quickstart",
+                                            "--config.seed=3"])
       config = config_lib.get("llada8b_gsm8k")
       print(json.dumps(dict(package=stabledrl_jax.__file__, names=config_lib.config_names(),
                             argv=argv, checkpoint=config.model.checkpoint,
@@ -241,7 +242,7 @@ def test_config_flag_names_and_paths():
   assert config_lib.config_path("configs/quickstart.py") == "configs/quickstart.py"
   assert config_lib.config_path("quickstart").endswith(os.path.join("configs", "quickstart.py"))
   assert config_lib.config_path("stress_test:grpo").endswith("stress_test.py:grpo")
-  argv = config_lib.resolve_config_flag(["x", "--config=quickstart", "--config.seed=1"])
+  argv = cli_flags.resolve_config_flag(["x", "--config=quickstart", "--config.seed=1"])
   assert argv[1].startswith("--config=") and argv[1].endswith("quickstart.py")
   with pytest.raises(FileNotFoundError, match="'quikstart' is neither a file nor a shipped"):
     config_lib.config_path("quikstart")

@@ -11,7 +11,7 @@ import sys
 import ml_collections
 import pytest
 
-from stabledrl_jax import objectives, tasks, tokenizers
+from stabledrl_jax import cli_flags, objectives, tasks, tokenizers
 from stabledrl_jax.training import config_lib, data, specs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -447,35 +447,35 @@ def test_a_repeated_alphabet_and_an_unknown_task_name_their_field():
 ])
 def test_an_unknown_field_is_named_with_the_closest_one(flag, field, guess):
   with pytest.raises(ValueError) as error:
-    config_lib.check_config_flags(["--config", QUICKSTART, flag])
+    cli_flags.check_config_flags(["--config", QUICKSTART, flag])
   assert_names(error.value, field)
   assert str(error.value).endswith(f"did you mean config.{guess}?")
 
 
 def test_known_fields_and_other_flags_pass():
-  config_lib.check_config_flags(
+  cli_flags.check_config_flags(
       ["--config=" + QUICKSTART, "--config.rollout.temperature=0.5", "--noconfig.model.remat",
        "--config.model.overrides.d_model", "32", "--workdir", "/tmp/x", "--verbose"])
-  config_lib.check_config_flags(["--workdir", "/tmp/x"])  # absl reports the missing --config.
+  cli_flags.check_config_flags(["--workdir", "/tmp/x"])  # absl reports the missing --config.
   with pytest.raises(ValueError, match=r"^config\.seed\.x: config\.seed is a value \(int\)"):
-    config_lib.check_config_flags(["--config", QUICKSTART, "--config.seed.x=1"])
+    cli_flags.check_config_flags(["--config", QUICKSTART, "--config.seed.x=1"])
 
 
 def test_a_missing_or_broken_config_file_is_named(tmp_path):
   missing = str(REPO / "configs" / "quickstrat.py")
   with pytest.raises(FileNotFoundError) as error:
-    config_lib.check_config_flags(["--config", missing])
+    cli_flags.check_config_flags(["--config", missing])
   assert str(error.value) == (f"--config {missing!r}: no such file; did you mean "
                               f"{REPO / 'configs' / 'quickstart.py'}?")
   broken = tmp_path / "broken.py"
   broken.write_text("def get_config():\n  return undefined_name\n")
   with pytest.raises(ValueError, match=rf"^--config {broken}: get_config\(\) raised NameError"):
-    config_lib.check_config_flags(["--config", str(broken)])
+    cli_flags.check_config_flags(["--config", str(broken)])
   with_arg = tmp_path / "with_arg.py"
   with_arg.write_text("from stabledrl_jax.training import config_lib\n"
                       "def get_config(arg):\n  c = config_lib.base_config()\n"
                       "  c.task.name = arg\n  return c\n")
-  config_lib.check_config_flags([f"--config={with_arg}:countdown", "--config.task.name=x"])
+  cli_flags.check_config_flags([f"--config={with_arg}:countdown", "--config.task.name=x"])
 
 
 def _train(*args, workdir):
