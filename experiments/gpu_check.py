@@ -103,6 +103,7 @@ import benchmark
 import benchmark_sampler
 import gpu_check_peers
 from stabledrl_jax import models, profiling
+from stabledrl_jax.plan import report as plan_report
 from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.models.llada import flops as flops_lib
 
@@ -210,14 +211,9 @@ class Report:
   def write(self) -> None:
     if not self.output:
       return
-    os.makedirs(os.path.dirname(os.path.abspath(self.output)), exist_ok=True)
-    for path, text in ((self.output, json.dumps(self.data, indent=2, default=str)),
-                       (self.markdown, self.table())):
-      with open(path + ".tmp", "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(path + ".tmp", path)
+    # The plan command's writer: each file whole or not at all, a failure one line.
+    plan_report.write_report(self.output, json.dumps(self.data, indent=2, default=str) + "\n")
+    plan_report.write_report(self.markdown, self.table() + "\n")
 
   @staticmethod
   def _print(row: dict) -> None:
@@ -233,18 +229,15 @@ class Report:
       lines += [f"device {env.get('device_kind')} ({env.get('backend')}), jax {env.get('jax')}, "
                 f"torch {env.get('torch') or '-'}, transformers {env.get('transformers') or '-'}"
                 f"; model {env.get('model')}", ""]
-    lines += ["| row | status | seconds | tokens/s | MFU (spec) | MFU (measured) | calls/seq "
-              "| peak memory GiB | note |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in self.data["rows"]:
-      if r["row"] == "env":
-        continue
-      lines.append("| " + " | ".join([
-          r["row"], r["status"], _fmt(r.get("seconds"), "{:.3f}"),
+    lines += plan_report.table(
+        ["row", "status", "seconds", "tokens/s", "MFU (spec)", "MFU (measured)", "calls/seq",
+         "peak memory GiB", "note"], "llrrrrrrl",
+        [[r["row"], r["status"], _fmt(r.get("seconds"), "{:.3f}"),
           _fmt(r.get("tokens_per_s"), "{:,.0f}"), _fmt(r.get("mfu_spec"), "{:.1%}"),
           _fmt(r.get("mfu_measured"), "{:.1%}"), _fmt(r.get("calls_per_sequence"), "{:.1f}"),
           _fmt(r.get("peak_memory_bytes"), "{:.2f}", scale=2**-30),
-          (r.get("reason") or r.get("note") or "").replace("|", "/")]) + " |")
+          r.get("reason") or r.get("note") or ""]
+         for r in self.data["rows"] if r["row"] != "env"])
     return "\n".join(lines)
 
 

@@ -109,10 +109,10 @@ def main():
                            say=lambda s: print(s, flush=True))
     at = {f"mesh.{axis}": size for axis, size in mesh.items()}
     if args.sampler:
-      planner.config = plan._apply(config, at)  # pylint: disable=protected-access
+      planner.config = plan.apply_settings(config, at)
       planner.plan("sampler", f"cpu:{ways}")
       continue
-    meshed = plan._apply(config, at)  # pylint: disable=protected-access
+    meshed = plan.apply_settings(config, at)
     valid = specs.microbatch_groups_for(meshed, mesh["data"] * mesh["fsdp"])
     if args.microbatch_groups:
       groups = [int(g) for g in args.microbatch_groups.split(",")]

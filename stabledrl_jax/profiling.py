@@ -1,6 +1,6 @@
 """What a jitted computation costs: wall time (warm, interleaved) and memory (XLA's, the device's).
 
-Used by the benchmarks in `experiments/` and by the plan command (`stabledrl_jax/plan.py`).
+Used by the benchmarks in `experiments/` and by the plan command (`stabledrl_jax/plan/`).
 
     timings = time_interleaved({"a": fn_a, "b": fn_b}, repeats=3)
     timings.median["a"], timings.best["b"], timings.first_call["a"]    # seconds

@@ -139,6 +139,37 @@ def test_out_of_memory_row_and_the_ladder(tmp_path):
   assert all(r["fits"] is False for b, r in rungs.items() if b > rec["eval.batch_size"])
 
 
+def test_the_search_runs_over_an_injected_compile_function(monkeypatch):
+  """No compiler: a stand-in whose memory grows with the sampler's groups per call, and whose
+  out-of-memory is libtpu's message. The given setting is a row that names the bytes asked for;
+  the ladder tries the smallest first, then bisects to the largest that fits, in at most
+  max_ladder compiles."""
+  config = config_lib.get("llada8b_gsm8k")  # 32 prompts x 16 rows; 8 chips take 1 group a call.
+  calls = []
+
+  def compile_fn(what, config, devices):
+    groups = config.rollout.microbatch_groups
+    calls.append(groups)
+    needed = groups * 2**30
+    if needed > 6 * 2**30:
+      raise RuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used "
+                         f"{needed / 2**30:.1f}G of 15.75G hbm.")
+    return tpu_compile.Result(what, 0.0, dict(argument=needed, output=0, alias=0, temp=0,
+                                              generated_code=0, total=needed), None, None)
+
+  monkeypatch.setattr(plan.catalog, "devices_for", lambda name, compiler: [None] * 8)
+  store = plan.Store("", resume=False)
+  planner = _planner(config, store, max_ladder=4, compile_fn=compile_fn, chip_gb=6 * 2**30 / 1e9,
+                     state_bytes=lambda what, config, devices: {})
+  planner.caches, planner.remasking = ["none"], [config.rollout.remasking]
+  (given,) = planner.plan("sampler", "v5litepod-8")
+  assert given["fits"] is False and given["per_chip_bytes"] == 32 * 2**30
+  assert given["recommended"] == {"rollout.cache": "none",
+                                  "rollout.remasking": config.rollout.remasking,
+                                  "rollout.microbatch_groups": 4}
+  assert calls[:2] == [32, 1] and len(calls) <= 1 + 4 and calls[-1] in (4, 8)
+
+
 def test_settings_this_slice_cannot_take_are_a_row(tmp_path):
   """The paper's microbatch of 1 prompt x 16 rows does not split over 64 chips: a row naming the
   field, and the ladder's candidates are the valid ones (no compile needed to see this)."""
@@ -170,10 +201,10 @@ def test_the_train_microbatch_never_refuses_a_sampler_or_evaluate_row(monkeypatc
     return tpu_compile.Result(what, 0.0, memory, None, None)
 
   monkeypatch.setattr(tpu_compile, "compile_decode", compile_decode)
-  monkeypatch.setattr(plan, "devices_for", lambda name, compiler: [None] * 64)
-  monkeypatch.setattr(plan, "_ways", lambda config, devices: 64)
-  monkeypatch.setattr(plan, "_state_bytes", lambda what, config, devices: {})
-  planner = _planner(config_lib.get("llada8b_gsm8k"), plan.Store("", resume=False), max_ladder=0)
+  monkeypatch.setattr(plan.catalog, "devices_for", lambda name, compiler: [None] * 64)
+  monkeypatch.setattr(plan.search, "_ways", lambda config, devices: 64)
+  planner = _planner(config_lib.get("llada8b_gsm8k"), plan.Store("", resume=False), max_ladder=0,
+                     state_bytes=lambda what, config, devices: {})
   for what, settings in (("sampler", {"rollout.microbatch_groups": 32}),
                          ("evaluate", {"eval.batch_size": 64})):
     row = planner.row(what, "v5litepod-64", settings, variant={})
@@ -303,5 +334,5 @@ def test_the_pods_doc_table_is_the_plan_file_rendered():
   after a sweep, rerun `python -m stabledrl_jax.plan --render --output docs/pods_plan.json
   --markdown -` and paste its output."""
   docs = REPO / "docs"
-  rendered = plan.markdown(plan._load(str(docs / "pods_plan.json")))
+  rendered = plan.markdown(plan.load(str(docs / "pods_plan.json")))
   assert rendered.strip() in (docs / "pods.md").read_text()
