@@ -502,6 +502,21 @@ def test_compare_objectives_rows_are_like_for_like_or_all_official():
       assert overrides.get("estimator.prompt_mask_prob", 0.0) == 0.0, name
 
 
+def test_the_step_recorder_compares_every_number_and_covers_every_row(monkeypatch):
+  monkeypatch.syspath_prepend(str(REPO / "experiments"))  # It imports compare_objectives.
+  record = _load_experiment("record_steps")
+  before = {"x": [{"step": 1, "loss": 0.5, "kl": float("nan")}]}
+  lines, differs = record.compare(json.loads(json.dumps(before)), before)
+  assert not differs and "| x | 1 | 3 | 0 | 0 |" in lines
+  now = {"x": [{"step": 1, "loss": 0.5 + 1e-9, "kl": float("nan")}], "y": []}
+  lines, differs = record.compare(now, before)
+  assert differs and "| x | 1 | 3 | 1 | 1e-09 |" in lines
+  assert "| y | only in now | - | - | - |" in lines
+  shorter = {"x": []}
+  assert record.compare(shorter, before)[1]  # A run that logged fewer steps differs too.
+  assert set(record.variants(40)) > set(_load_experiment("compare_objectives").rows(40))
+
+
 def test_a_sweep_run_cut_by_a_signal_is_not_recorded_as_finished(tmp_path, monkeypatch):
   """The trainer returns normally after a signal saves the run; the sweep must not take the
   cut run for a finished one: no run_result.json, a one-line exit naming the run, and the same
