@@ -253,6 +253,16 @@ def test_every_integer_field_refuses_minus_one_and_a_huge_value_naming_it():
     specs.validate(config, num_devices=1)
 
 
+def test_the_sampler_chunks_are_checked_with_the_mesh():
+  """rollout.microbatch_groups is checked where the mesh is (specs.validate with a device count,
+  as the trainer and the planner call it): 1 group x 8 rows does not split over 16 devices."""
+  config = quickstart(**{"rollout.microbatch_groups": 1})
+  specs.validate(config, num_devices=8)
+  with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=1 gives 8 rows per sampler "
+                                       r"call, not a multiple of the 16 data x fsdp devices"):
+    specs.validate(config, num_devices=16)
+
+
 def test_every_integer_field_of_base_config_has_a_range():
   """A new integer field needs a range in specs.INT_RANGES (or its objective's check)."""
   hparams = {f"objective.{name}.{field}" for name, field in objective_int_hparams()}

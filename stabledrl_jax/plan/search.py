@@ -245,13 +245,10 @@ def compile_program(what: str, config, devices) -> Any:
     choices = _chunk_choices(config, ways)
     if choices and config.train.microbatch_groups not in choices + [0]:
       config.train.microbatch_groups = choices[-1]
-  specs.validate(config, num_devices=len(devices))
+  specs.validate(config, num_devices=len(devices))  # The sampler's chunks split over the mesh.
   if what == "sampler":
     r = config.rollout
     groups = r.get("microbatch_groups", 0) or r.num_prompts
-    if groups * r.group_size % ways:
-      raise ValueError(f"config.rollout.microbatch_groups: {groups} groups x {r.group_size} "
-                       f"rows do not split over data x fsdp = {ways} devices")
     return tpu_compile.compile_decode(config, devices,
                                       tpu_compile.rollout_decoding(config, cache=r.cache),
                                       rows=groups * r.group_size, what="sampler")

@@ -23,7 +23,7 @@ from stabledrl_jax import estimators, hub, objectives, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import data, run_spec
+from stabledrl_jax.training import data, decoding, run_spec
 
 # Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
 # takes the objective's official value (``objectives.Objective.estimator``). A plugin method's
@@ -510,6 +510,7 @@ def _validate_mesh(config: ml_collections.ConfigDict, num_devices: int) -> None:
   except ValueError as err:
     raise ValueError(str(err)) from None
   ways = sizes["data"] * sizes["fsdp"]
+  decoding.check_chunks(r, ways)  # rollout.microbatch_groups: the sampler's calls split too.
   _require(sizes["data"] % int(config.mesh.get("dcn_data", 1) or 1) == 0, "mesh.dcn_data",
            f"{config.mesh.dcn_data} does not divide the data axis ({sizes['data']})")
   per_microbatch = r.num_prompts // num_microbatches(config)

@@ -100,7 +100,6 @@ class Trainer:
   def _build(self, config: ml_collections.ConfigDict) -> None:
     self.mesh = mesh_lib.make_mesh(config.mesh)
     r = config.rollout
-    decoding.check_chunks(r, mesh_lib.data_parallel_size(self.mesh))  # microbatch_groups
     self.tokenizer = data.make_tokenizer(config.tokenizer)
     self.task = tasks.get_task(config.task.name)
     self.scorer = reward_pool.RewardScorer(self.task, config.task.reward,
