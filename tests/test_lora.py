@@ -128,7 +128,7 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
                           "objective.name": "grpo", "objective.grpo.beta": 0.04,
                           "estimator.method": "mean_field"})
   run = trainer.Trainer(config, str(tmp_path))
-  assert run.start_params is None  # No copy of the weights for the reference.
+  assert run.fns.start_params is None  # No copy of the weights for the reference.
   before = jax.device_get(run.state.params)
   run.run()
   run.close()
@@ -165,8 +165,8 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
     np.testing.assert_array_equal(old, new)
   resumed.close()
   # evaluate's loader restores the adapters; export merges them into the kernels.
-  tokens = jnp.arange(24).reshape(2, 12) % run.model_config.vocab_size
-  trained_logits = np.asarray(nnx.merge(run.graphdef, jax.device_get(run.state.params))(tokens))
+  tokens = jnp.arange(24).reshape(2, 12) % run.parts.model_config.vocab_size
+  trained_logits = np.asarray(nnx.merge(run.parts.graphdef, jax.device_get(run.state.params))(tokens))
   source = checkpoint_source.resolve(str(tmp_path))
   loaded = checkpoint_source.load_model(source, mesh=run.mesh, dtype=jnp.float32)
   assert lora.has_adapters(loaded)

@@ -257,9 +257,9 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
                           "model.lora.base_dtype": "float32", "train.num_steps": 1})
   run = trainer.Trainer(config, str(workdir))
   run.run()
-  tokens = jnp.arange(24).reshape(2, 12) % run.model_config.vocab_size
+  tokens = jnp.arange(24).reshape(2, 12) % run.parts.model_config.vocab_size
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  trained = np.asarray(nnx.merge(run.graphdef, jax.device_get(run.state.params))(tokens))
+  trained = np.asarray(nnx.merge(run.parts.graphdef, jax.device_get(run.state.params))(tokens))
   run.close()
   out = tmp_path / "adapter"
   export.export(str(workdir), str(out))
