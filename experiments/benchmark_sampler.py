@@ -207,14 +207,14 @@ def workdir_model_and_prompts(source, args, parser):
   """The model of ``source`` (a resolved workdir checkpoint) and its first ``--batch`` held-out
   prompts."""
   from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, specs  # pylint: disable=g-import-not-at-top
 
   config = source.config
   model = checkpoint_source.load_model(source, mesh=mesh_lib.make_mesh(config.mesh),
                                        dtype=jnp.float32)
   tokenizer = data.make_tokenizer(config.tokenizer)
   examples = data.make_examples(config, "eval")
-  prompts = data.encode_examples(config, tokenizer, tasks.get_task(config.task.name),
+  prompts = data.encode_examples(specs.resolve_rollout(config), tokenizer, tasks.get_task(config.task.name),
                                  [examples[i] for i in range(args.batch)])
   if prompts.tokens.shape[1] != args.prompt_length:
     parser.error(f"the workdir's prompts are {prompts.tokens.shape[1]} tokens long, not "

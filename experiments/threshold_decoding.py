@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from stabledrl_jax import tasks
-from stabledrl_jax.training import checkpoint_source, data, decoding, mesh as mesh_lib, supervised
+from stabledrl_jax.training import checkpoint_source, data, decoding, mesh as mesh_lib, specs
+from stabledrl_jax.training import supervised
 
 
 def load_source(workdir: str) -> checkpoint_source.CheckpointSource:
@@ -54,7 +55,7 @@ def main():
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.float32)
   tokenizer = data.make_tokenizer(config.tokenizer)
   task = tasks.get_task(config.task.name)
-  prompts = data.encode_examples(config, tokenizer, task, data.make_examples(config, "eval"))
+  prompts = data.encode_examples(specs.resolve_rollout(config), tokenizer, task, data.make_examples(config, "eval"))
   key = jax.random.key(config.seed + 1)  # The trainer's evaluation key.
   r = config.rollout
   evaluate = lambda settings: decoding.metrics_of(decoding.score_batches(

@@ -131,11 +131,9 @@ def compile_train_step(config: ml_collections.ConfigDict, devices, *,
 
 
 def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding_lib.Decoding:
-  """The trainer's rollout sampler settings (``config.rollout``; overrides: cache, remasking,
-  ...)."""
-  r = config.rollout
-  return decoding_lib.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps,
-                                          **overrides)
+  """The trainer's rollout sampler settings (``specs.resolve_rollout``; overrides: cache,
+  remasking, ...)."""
+  return specs.resolve_rollout(config).sampling.with_options(**overrides)
 
 
 def compile_decode(config: ml_collections.ConfigDict, devices, settings: decoding_lib.Decoding,

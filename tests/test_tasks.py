@@ -12,7 +12,7 @@ from stabledrl_jax import tasks
 from stabledrl_jax.rewards import arithmetic
 from stabledrl_jax.tasks import countdown
 from stabledrl_jax.tasks import sudoku
-from stabledrl_jax.training import config_lib, data
+from stabledrl_jax.training import config_lib, data, specs
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(),
@@ -92,7 +92,7 @@ def test_the_run_prompt_style_reaches_the_encoded_prompts():
   config.tokenizer.alphabet = "".join(sorted(set(official)))
   config.rollout.prompt_length = 256
   tokenizer = data.make_tokenizer(config.tokenizer)
-  prompts = data.encode_examples(config, tokenizer, tasks.get_task("countdown"), [example])
+  prompts = data.encode_examples(specs.resolve_rollout(config), tokenizer, tasks.get_task("countdown"), [example])
   assert tokenizer.decode(prompts.tokens[0][prompts.mask[0]]) == official
 
 

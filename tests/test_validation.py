@@ -263,6 +263,32 @@ def test_the_sampler_chunks_are_checked_with_the_mesh():
     specs.validate(config, num_devices=16)
 
 
+def test_the_rollouts_are_resolved_once_into_a_frozen_spec():
+  """specs.resolve_rollout: what the rollout collector, the prompts and the held-out evaluation
+  take from the config (the collector reads no config): the rollout sampler at its temperature
+  and cache, the evaluation greedy and exact at eval.steps, the sampler's chunks in rows."""
+  config = quickstart(**{"rollout.microbatch_groups": 2, "rollout.temperature": 0.7,
+                         "rollout.cache": "prefix", "rollout.remasking": "low_confidence",
+                         "eval.steps": 8, "estimator.stress.fraction": 0.25,
+                         "task.with_instruction": True})
+  r = config.rollout
+  spec = specs.resolve_rollout(config)
+  hash(spec)  # Static: a jit argument and a dict key.
+  assert (spec.num_prompts, spec.group_size, spec.num_rows, spec.prompt_length,
+          spec.gen_length) == (r.num_prompts, r.group_size, r.num_prompts * r.group_size,
+                               r.prompt_length, r.gen_length)
+  assert spec.chunk_rows == 2 * r.group_size and spec.stress_fraction == 0.25
+  assert (spec.with_instruction, spec.prompt_style) == (True, config.task.prompt_style)
+  sampling, evaluation = spec.sampling, spec.evaluation
+  assert (sampling.temperature, sampling.cache, sampling.steps) == (0.7, "prefix", r.steps)
+  assert (evaluation.temperature, evaluation.cache, evaluation.steps) == (0.0, "none", 8)
+  assert evaluation.block_length == sampling.block_length == r.block_length
+  # Options override; None keeps the setting.
+  assert sampling.with_options(cache=None, threshold=0.5) == dataclasses.replace(sampling,
+                                                                                 threshold=0.5)
+  assert evaluation.with_options(cache="dual").cache == "dual"
+
+
 def test_every_integer_field_of_base_config_has_a_range():
   """A new integer field needs a range in specs.INT_RANGES (or its objective's check)."""
   hparams = {f"objective.{name}.{field}" for name, field in objective_int_hparams()}

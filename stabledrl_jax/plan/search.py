@@ -233,7 +233,7 @@ def compile_program(what: str, config, devices) -> Any:
   """
   from stabledrl_jax import tpu_compile  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training import decoding as decoding_lib, specs
+  from stabledrl_jax.training import specs
   if what == "train":
     specs.validate(config, num_devices=len(devices))
     return tpu_compile.compile_train_step(config, devices)
@@ -253,5 +253,5 @@ def compile_program(what: str, config, devices) -> Any:
                                       tpu_compile.rollout_decoding(config, cache=r.cache),
                                       rows=groups * r.group_size, what="sampler")
   rows = -(-config.eval.batch_size // ways) * ways  # Padded as decoding.generate_batches pads.
-  return tpu_compile.compile_decode(config, devices, decoding_lib.Decoding.of_eval(config),
+  return tpu_compile.compile_decode(config, devices, specs.resolve_rollout(config).evaluation,
                                     rows=rows, what="evaluate")

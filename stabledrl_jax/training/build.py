@@ -145,6 +145,7 @@ class Parts:
     model_config: the model's config.
     graphdef: the model's graph (``nnx.split``); its parameters live in the state.
     run: the resolved run (``specs.resolve_run``): objective, likelihood, microbatches, LoRA.
+    rollout: the resolved rollouts (``specs.resolve_rollout``): batch, prompts, sampler, eval.
     tx: the optimizer; ``schedule`` its learning rate per update, over ``num_updates``.
     state_shardings: the ``TrainState``'s shardings.
     batch_sharding: rows split over the mesh's data axes (rank-1 spec: any rank).
@@ -155,6 +156,7 @@ class Parts:
   model_config: Any
   graphdef: Any
   run: run_spec_lib.RunSpec
+  rollout: run_spec_lib.RolloutSpec
   tx: optax.GradientTransformation
   schedule: optax.Schedule
   num_updates: int
@@ -174,7 +176,8 @@ def parts(config: ml_collections.ConfigDict, mesh, graphdef: Any, params: Any,
   shardings = train_step.state_shardings(
       tx, params, jax.tree.map(lambda p: p.sharding, params), replicated,
       objective_state=run.initial_state(), lora=run.lora)
-  return Parts(mesh=mesh, model_config=model_config, graphdef=graphdef, run=run, tx=tx,
+  return Parts(mesh=mesh, model_config=model_config, graphdef=graphdef, run=run,
+               rollout=specs.resolve_rollout(config), tx=tx,
                schedule=optimizer_lib.learning_rate_schedule(config.optimizer, num_updates),
                num_updates=num_updates, state_shardings=shardings,
                batch_sharding=models.batch_sharding(mesh, ndim=1), replicated=replicated)
@@ -195,10 +198,10 @@ def make_update(parts_: Parts):
       batch_shardings=parts_.batch_sharding, replicated=parts_.replicated, run=parts_.run)
 
 
-def abstract_batch(config: ml_collections.ConfigDict, parts_: Parts) -> rl_loss.RolloutBatch:
-  """A ``RolloutBatch`` of the P x G rollouts of ``config`` as ``jax.ShapeDtypeStruct``."""
-  r = config.rollout
-  n, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
+def abstract_batch(parts_: Parts) -> rl_loss.RolloutBatch:
+  """A ``RolloutBatch`` of the run's P x G rollouts as ``jax.ShapeDtypeStruct``."""
+  r = parts_.rollout
+  n, length = r.num_rows, r.prompt_length + r.gen_length
   array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=parts_.batch_sharding)
   logp = (n, length) if parts_.run.likelihood.token_level else (n,)
   return rl_loss.RolloutBatch(
@@ -206,7 +209,7 @@ def abstract_batch(config: ml_collections.ConfigDict, parts_: Parts) -> rl_loss.
       completion_mask=array((n, length), bool), attention_mask=array((n, length), bool),
       advantages=array((n,), jnp.float32), old_logp=array(logp, jnp.float32),
       ref_logp=array(logp, jnp.float32),
-      stressed=array((n,), bool) if config.estimator.stress.fraction > 0 else None)
+      stressed=array((n,), bool) if r.stress_fraction > 0 else None)
 
 
 def abstract_update(config: ml_collections.ConfigDict, devices=None):
@@ -232,4 +235,4 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
       built.state_shardings)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=built.replicated)
-  return make_update(built), state, abstract_batch(config, built), key
+  return make_update(built), state, abstract_batch(built), key

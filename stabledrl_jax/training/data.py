@@ -170,11 +170,13 @@ class PromptSet:
   mask: np.ndarray  # [P, prompt_length]
 
 
-def encode_examples(config: ml_collections.ConfigDict, tokenizer, task: tasks.Task,
+def encode_examples(spec: Any, tokenizer, task: tasks.Task,
                     examples: Sequence[tasks.Example]) -> PromptSet:
-  texts = [format_prompt(tokenizer, task, ex, with_instruction=config.task.with_instruction,
-                         style=config.task.prompt_style) for ex in examples]
-  tokens, mask = encode_prompts(tokenizer, texts, config.rollout.prompt_length)
+  """The prompts of ``examples``, written and padded as ``spec`` (a ``run_spec.RolloutSpec``,
+  ``specs.resolve_rollout``) says."""
+  texts = [format_prompt(tokenizer, task, ex, with_instruction=spec.with_instruction,
+                         style=spec.prompt_style) for ex in examples]
+  tokens, mask = encode_prompts(tokenizer, texts, spec.prompt_length)
   return PromptSet(list(examples), tokens, mask)
 
 

@@ -86,6 +86,10 @@ class Decoding:
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**fields)
 
+  def with_options(self, **overrides) -> "Decoding":
+    """These settings with ``overrides`` (remasking, threshold, cache, ...; None: kept)."""
+    return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
   def check(self, model_config: Any) -> None:
     """Raises ValueError (one line) unless the sampler of ``model_config``'s family accepts these
     settings (``Family.sampling``; cheap: nothing compiles, no weight is read)."""

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -86,10 +85,12 @@ class Rollouts:
 class RolloutCollector:
   """Samples and scores one step's rollouts: ``collector(params, examples, key, ...)``."""
 
-  def __init__(self, config: ml_collections.ConfigDict, run: run_spec.RunSpec, *, tokenizer,
-               task, scorer: reward_pool.RewardScorer, graphdef, model_config, mesh):
-    self.config = config
+  def __init__(self, run: run_spec.RunSpec, spec: run_spec.RolloutSpec, *, tokenizer, task,
+               scorer: reward_pool.RewardScorer, graphdef, model_config, mesh):
+    """``run`` and ``spec`` resolved from the config (``specs.resolve_run``,
+    ``specs.resolve_rollout``): the collector reads no config."""
     self.run = run
+    self.spec = spec
     self.tokenizer = tokenizer
     self.task = task
     self.scorer = scorer
@@ -99,9 +100,8 @@ class RolloutCollector:
     # Rank-1 spec: the leading (batch) axis split, valid for arrays of any rank.
     self.batch_sharding = models.batch_sharding(mesh, ndim=1)
     self._splits: dict[int, multihost.RowSplit] = {}
-    r = config.rollout
-    self.split = self.split_of(r.num_prompts * r.group_size)
-    self.groups = self.split.groups(r.group_size)  # This process's groups of a drawn batch.
+    self.split = self.split_of(spec.num_rows)
+    self.groups = self.split.groups(spec.group_size)  # This process's groups of a drawn batch.
 
   def split_of(self, num_rows: int) -> multihost.RowSplit:
     """This process's rows of a batch of ``num_rows`` (cached: one collective per size)."""
@@ -114,28 +114,28 @@ class RolloutCollector:
     """The rollouts of ``drawn`` (the step's global batch of examples; this process keeps its
     groups), sampled with ``key`` from ``params``; ``stress_key`` selects the stressed rows;
     ``num_samples`` of them decoded for the log."""
-    r, split = self.config.rollout, self.split
+    spec, split = self.spec, self.split
     start = time.perf_counter()
     examples = [drawn[int(g)] for g in self.groups]
-    prompts = data.encode_examples(self.config, self.tokenizer, self.task, examples)
-    prompt_tokens = np.repeat(prompts.tokens, r.group_size, axis=0)
-    prompt_mask = np.repeat(prompts.mask, r.group_size, axis=0)
+    prompts = data.encode_examples(spec, self.tokenizer, self.task, examples)
+    prompt_tokens = np.repeat(prompts.tokens, spec.group_size, axis=0)
+    prompt_mask = np.repeat(prompts.mask, spec.group_size, axis=0)
     tokens, calls = self.generate(params, prompt_tokens, prompt_mask, key,
-                                  temperature=r.temperature, steps=r.steps,
                                   num_rows=split.num_rows)
     seconds = time.perf_counter() - start
 
-    texts = data.decode_completions(self.tokenizer, tokens[:, r.prompt_length:])
-    components = self.scorer(texts, [examples[i // r.group_size] for i in range(len(texts))])
+    prompt_length = prompt_tokens.shape[1]
+    texts = data.decode_completions(self.tokenizer, tokens[:, prompt_length:])
+    components = self.scorer(texts, [examples[i // spec.group_size] for i in range(len(texts))])
     rewards = self.scorer.rewards(components)
     # Groups never span processes: the advantages of this process's rows are its own.
     advantages = np.asarray(objectives.group_advantages(
-        jnp.asarray(rewards), r.group_size, scale_by_std=self.run.scale_advantages_by_std,
+        jnp.asarray(rewards), spec.group_size, scale_by_std=self.run.scale_advantages_by_std,
         baseline=self.run.baseline))
     stressed = None
-    if self.config.estimator.stress.fraction > 0:  # One selection for l_theta and l_old.
+    if spec.stress_fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(
-          stress_key, split.num_rows, self.config.estimator.stress.fraction))[split.rows]
+          stress_key, split.num_rows, spec.stress_fraction))[split.rows]
     completion = self.completion_mask(tokens)
     samples = [dict(prompt=p, completion=c, reward=float(w)) for p, c, w in zip(
         data.decode_completions(self.tokenizer, prompt_tokens[:num_samples]),
@@ -144,27 +144,25 @@ class RolloutCollector:
         split, rewards=rewards, abs_advantages=np.abs(advantages), lengths=completion.sum(-1),
         model_calls=calls,
         # Completions that hit the length limit: no stop token anywhere in them.
-        truncated=~np.isin(tokens[:, r.prompt_length:], self.stop_ids).any(-1),
+        truncated=~np.isin(tokens[:, prompt_length:], self.stop_ids).any(-1),
         components=components)
     batch = self.make_batch(tokens, prompt_mask, completion, advantages, stressed,
                             num_rows=split.num_rows)
     return Rollouts(batch=batch, tokens=tokens, advantages=advantages, stressed=stressed,
                     stats=stats, samples=samples, seconds=seconds)
 
-  def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
-               temperature: float, steps: int, *, num_rows: int | None = None,
-               **options) -> tuple[np.ndarray, np.ndarray]:
+  def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key, *,
+               num_rows: int | None = None, **options) -> tuple[np.ndarray, np.ndarray]:
     """Rollouts: completions [B, P + G] and the model calls each needed [B], of this process's
     rows.
 
     ``prompt_tokens`` and ``prompt_mask`` [B, P] are this process's rows (``split_of``) of a
-    batch of ``num_rows`` (default B: one process). ``options`` (remasking, threshold) override
-    ``config.rollout``'s.
+    batch of ``num_rows`` (default B: one process). ``options`` (temperature, steps, remasking,
+    threshold, cache) override the rollout sampler's (``spec.sampling``).
     """
-    settings = decoding.Decoding.of_rollout(self.config.rollout, temperature=temperature,
-                                            steps=steps, **options)
+    settings = self.spec.sampling.with_options(**options)
     split = self.split_of(len(prompt_tokens) if num_rows is None else num_rows)
-    chunk_rows = decoding.chunk_rows_of(self.config.rollout)  # rollout.microbatch_groups
+    chunk_rows = self.spec.chunk_rows  # rollout.microbatch_groups x group_size
     if split.num_rows % max(chunk_rows, 1):  # Not a rollout batch: one sampler call.
       chunk_rows = 0
     return decoding.generate_rows(nnx.merge(self.graphdef, params), prompt_tokens, prompt_mask,
@@ -173,8 +171,8 @@ class RolloutCollector:
 
   def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
     """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""
-    return np.asarray(sampler_lib.completion_mask(tokens, self.config.rollout.prompt_length,
-                                                  self.stop_ids))
+    prompt_length = tokens.shape[1] - self.spec.gen_length
+    return np.asarray(sampler_lib.completion_mask(tokens, prompt_length, self.stop_ids))
 
   def make_batch(self, tokens: np.ndarray, prompt_mask: np.ndarray, completion: np.ndarray,
                  advantages: np.ndarray, stressed: np.ndarray | None = None, *,
@@ -182,7 +180,7 @@ class RolloutCollector:
     """Global arrays of the rollouts, sharded over the batch axis, from this process's rows
     of a batch of ``num_rows`` (default: ``len(tokens)``, one process); ``completion`` is
     ``completion_mask(tokens)``."""
-    gen_length = self.config.rollout.gen_length
+    gen_length = self.spec.gen_length
     no_gen = np.zeros((tokens.shape[0], gen_length), bool)
     no_prompt = np.zeros_like(prompt_mask)
     logp_shape = tokens.shape if self.run.likelihood.token_level else tokens.shape[:1]

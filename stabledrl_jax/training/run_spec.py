@@ -1,9 +1,10 @@
-"""The resolved spec of one RL run: what the update and the scoring take from the config,
-derived once (``specs.resolve_run``) and then passed whole.
+"""The resolved specs of one RL run, derived from the config once and then passed whole:
+``RunSpec``, what the update and the scoring take (``specs.resolve_run``); ``RolloutSpec``, what
+the rollouts and the held-out evaluation take (``specs.resolve_rollout``).
 
-A ``RunSpec`` is frozen and hashable (no arrays), so the jitted update compiles for its values;
-nothing downstream reads the config again. It imports no config code: the update step depends on
-it alone.
+Both are frozen and hashable (no arrays), so the jitted update compiles for their values; nothing
+downstream of them reads the config again. This module imports no config code: the update step
+and the rollout collector depend on it alone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from stabledrl_jax import estimators, objectives
+from stabledrl_jax.training import decoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,3 +65,42 @@ class RunSpec:
   def initial_state(self) -> Any:
     """The objective's state at the start of a run ({} when it has none)."""
     return self.registered.initial_state(self.hparams)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """What one RL run's rollouts and held-out evaluation need, static.
+
+  Attributes:
+    num_prompts: prompts drawn per step; each gives ``group_size`` rollouts.
+    group_size: G, completions per prompt.
+    prompt_length: P, prompts left-padded to it (None: the longest prompt of the batch).
+    with_instruction: the task's instruction goes before each question.
+    prompt_style: how a prompt is written (``data.format_prompt``).
+    sampling: the rollout sampler's settings (``rollout.*``, at its temperature and steps).
+    evaluation: the held-out evaluation's: the rollout sampler, greedy, at ``eval.steps``, exact.
+    chunk_rows: rows per sampler call of a rollout batch (``rollout.microbatch_groups`` x G; 0:
+      all at once).
+    stress_fraction: the stress test's share of "hard" rows (``estimator.stress.fraction``; 0:
+      off).
+  """
+
+  num_prompts: int
+  group_size: int
+  prompt_length: int | None
+  with_instruction: bool
+  prompt_style: str
+  sampling: decoding.Decoding
+  evaluation: decoding.Decoding
+  chunk_rows: int = 0
+  stress_fraction: float = 0.0
+
+  @property
+  def gen_length(self) -> int:
+    """G tokens of completion per rollout."""
+    return self.sampling.gen_length
+
+  @property
+  def num_rows(self) -> int:
+    """Rollouts per step, over every process: num_prompts x group_size."""
+    return self.num_prompts * self.group_size

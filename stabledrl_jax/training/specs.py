@@ -409,7 +409,6 @@ def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
            "completion token (0: gen_length / 2)")
   if named is None or not config.eval.every_steps:
     return
-  from stabledrl_jax.training import decoding  # pylint: disable=g-import-not-at-top
   settings = decoding.Decoding.of_eval(config)
   try:
     settings.check(named)
@@ -640,3 +639,15 @@ def resolve_run(config: ml_collections.ConfigDict, model_config: Any) -> run_spe
       scale_advantages_by_std=bool(config.objective.scale_advantages_by_std),
       gradient_bound=bool(config.train.gradient_bound), lora=bool(config.model.lora.rank),
       lora_dropout=float(config.model.lora.dropout) if config.model.lora.rank else 0.0)
+
+
+def resolve_rollout(config: ml_collections.ConfigDict) -> run_spec.RolloutSpec:
+  """The rollout spec of a (validated) ``config``: everything the rollouts, the prompts and the
+  held-out evaluation take from it, derived once."""
+  r = config.rollout
+  return run_spec.RolloutSpec(
+      num_prompts=r.num_prompts, group_size=r.group_size, prompt_length=r.prompt_length,
+      with_instruction=bool(config.task.with_instruction), prompt_style=config.task.prompt_style,
+      sampling=decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps),
+      evaluation=decoding.Decoding.of_eval(config),
+      chunk_rows=decoding.chunk_rows_of(r), stress_fraction=float(config.estimator.stress.fraction))

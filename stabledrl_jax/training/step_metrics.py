@@ -78,7 +78,7 @@ class StepLog:
   def _step_metrics(self, step: int, rollouts: rollout_lib.Rollouts, num_scorings: int,
                     state: train_step.TrainState, *, elapsed: float) -> dict[str, float]:
     """The rollouts' statistics, the schedule, skips, time and throughput of step ``step``."""
-    r, train = self.config.rollout, self.config.train
+    r, train = self.parts.rollout, self.config.train
     num_rows = self.split.num_rows
     length = r.prompt_length + r.gen_length
     flops = profiling.rl_step_flops(
@@ -102,7 +102,7 @@ class StepLog:
                     median: float) -> None:
     """Writes ``<workdir>/spikes/step_<step>.npz`` (``spikes.SPIKE_FIELDS``) on process 0, with
     every process's rows (gathered: a collective every process enters)."""
-    prompt_length = self.config.rollout.prompt_length
+    prompt_length = self.parts.rollout.prompt_length
     tokens, stressed = rollouts.tokens, rollouts.stressed
     gathered = multihost.gather_rows(np.column_stack(
         [tokens, rollouts.advantages[:, None], np.zeros((len(tokens), 1)) if stressed is None

@@ -147,7 +147,7 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
     del step  # The generator state advances deterministically with each call.
     indices = rng.integers(len(train_examples), size=config.sft.batch_size)
     examples = [train_examples[int(i)] for i in indices]
-    prompts = data.encode_examples(config, tokenizer, task, examples)
+    prompts = data.encode_examples(specs.resolve_rollout(config), tokenizer, task, examples)
     targets = [data.answer_text(ex, data.noisy_demonstration(
         task, ex, rng, error_rate=config.sft.demo_error_rate,
         error_cells=config.sft.demo_error_cells)) for ex in examples]

@@ -106,8 +106,6 @@ class Trainer:
                                            workers=config.task.reward_workers,
                                            timeout_s=config.task.reward_timeout_s)
     self.train_examples = data.make_examples(config, "train")
-    self.eval_prompts = data.encode_examples(config, self.tokenizer, self.task,
-                                             data.make_examples(config, "eval"))
     # Every process draws the same global batches and keeps its own groups: the position is the
     # same everywhere, and a resumed run (on any number of processes) draws what an
     # uninterrupted one would.
@@ -129,6 +127,8 @@ class Trainer:
     model_config = model.config
     graphdef, params = nnx.split(build.with_lora(config, model, self.mesh), nnx.Param)
     self.parts = parts = build.parts(config, self.mesh, graphdef, params, model_config)
+    self.eval_prompts = data.encode_examples(parts.rollout, self.tokenizer, self.task,
+                                             data.make_examples(config, "eval"))
     note = specs.estimator_note(config)
     if note and self.primary:
       print(note, file=sys.stderr, flush=True)
@@ -137,7 +137,7 @@ class Trainer:
     kl_to_start = bool(config.diagnostics.get("kl_to_start", False))
     keep_start = not parts.run.lora and (parts.run.uses_reference or kl_to_start)
     self.rollouts = rollout_lib.RolloutCollector(
-        config, parts.run, tokenizer=self.tokenizer, task=self.task, scorer=self.scorer,
+        parts.run, parts.rollout, tokenizer=self.tokenizer, task=self.task, scorer=self.scorer,
         graphdef=graphdef, model_config=model_config, mesh=self.mesh)
     self.fns = rl_step_lib.step_functions(
         parts, self.rollouts, num_iterations=config.train.num_iterations,
@@ -181,7 +181,7 @@ class Trainer:
     Each process decodes and scores its rows of every batch; the totals are summed over the
     processes."""
     prompts = self.eval_prompts
-    settings = decoding.Decoding.of_eval(self.config, **options)
+    settings = self.parts.rollout.evaluation.with_options(**options)
     totals = decoding.score_batches(
         self._model(params), self.tokenizer, self.task, prompts.examples, prompts.tokens,
         prompts.mask, key, settings, mesh=self.mesh, batch_size=self.config.eval.batch_size,
