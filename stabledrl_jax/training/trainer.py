@@ -106,6 +106,9 @@ class Trainer:
                                            workers=config.task.reward_workers,
                                            timeout_s=config.task.reward_timeout_s)
     self.train_examples = data.make_examples(config, "train")
+    # Before the model and the supervised start: a prompt that does not fit fails at once.
+    self.eval_prompts = data.encode_examples(specs.resolve_rollout(config), self.tokenizer,
+                                             self.task, data.make_examples(config, "eval"))
     # Every process draws the same global batches and keeps its own groups: the position is the
     # same everywhere, and a resumed run (on any number of processes) draws what an
     # uninterrupted one would.
@@ -127,8 +130,6 @@ class Trainer:
     model_config = model.config
     graphdef, params = nnx.split(build.with_lora(config, model, self.mesh), nnx.Param)
     self.parts = parts = build.parts(config, self.mesh, graphdef, params, model_config)
-    self.eval_prompts = data.encode_examples(parts.rollout, self.tokenizer, self.task,
-                                             data.make_examples(config, "eval"))
     note = specs.estimator_note(config)
     if note and self.primary:
       print(note, file=sys.stderr, flush=True)
