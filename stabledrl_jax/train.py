@@ -15,6 +15,7 @@ boundary and exits 0 (within ``train.stop_grace_s``, else it exits 143 at once, 
 checkpoint); Ctrl-C does the same, and a second Ctrl-C exits 130 at once.
 """
 
+import logging as std_logging
 import os
 import signal
 import sys
@@ -54,7 +55,16 @@ def main(argv):
   except (ValueError, FileNotFoundError, NotImplementedError, ImportError, RuntimeError) as error:
     if _VERBOSE.value:
       raise
+    quiet_after_error()
     sys.exit(f"error: {error} (--verbose shows the traceback)")
+
+
+def quiet_after_error() -> None:
+  """Once the error is said in one line, asyncio says nothing more. A save in flight when the
+  run failed (the disk full under metrics.jsonl) fails too, inside orbax's event loop; asyncio
+  logs that future's exception (``Future exception was never retrieved``, the same failure in 20
+  lines) when it is collected, at exit. ``--verbose`` keeps it."""
+  std_logging.getLogger("asyncio").disabled = True
 
 
 def run() -> None:

@@ -285,6 +285,37 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes_from_the_last_good_step(s
   assert checkpointing.Checkpointer(workdir, read_only=True).latest_step() == 3
 
 
+_FAILED_SAVE_AFTER_THE_ERROR = textwrap.dedent("""
+    import asyncio, atexit, gc, sys
+    from stabledrl_jax import train
+    from stabledrl_jax.training import trainer
+
+    def failing_train(config, workdir, **kwargs):
+      # As when the disk fills under metrics.jsonl with a save in flight: orbax's write fails
+      # too, and its future, never retrieved, is collected at exit.
+      loop = asyncio.new_event_loop()
+      future = loop.create_future()
+      future.set_exception(ValueError("RESOURCE_EXHAUSTED: Failed writing ocdbt.process_0"))
+      held = [future]
+      atexit.register(lambda: (held.clear(), gc.collect()))
+      raise ValueError("cannot write {workdir}/metrics.jsonl: no space left on the device")
+
+    trainer.train = failing_train
+    sys.argv = ["train", "--config", "quickstart", "--workdir", {workdir!r}]
+    train.run()
+""")
+
+
+def test_a_save_that_fails_after_the_error_adds_no_line(tmp_path):
+  """The full-disk run's second failure (asyncio's ``Future exception was never retrieved``
+  for the save in flight, logged at exit) stays out of the one-line error."""
+  out = subprocess.run(
+      [sys.executable, "-c", _FAILED_SAVE_AFTER_THE_ERROR.format(workdir=str(tmp_path))],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1 and out.stderr.splitlines() == [
+      f"error: cannot write {tmp_path}/metrics.jsonl: no space left on the device "
+      "(--verbose shows the traceback)"], out.stderr
+
 # ---------------------------------------------------------------------------
 # Signals inside a long jitted call.
 # ---------------------------------------------------------------------------
