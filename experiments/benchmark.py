@@ -189,7 +189,8 @@ def train_step_case(name: str, model: nnx.Module, w: Workload, lora_rank: int = 
     model = build.with_lora(c, models.LLaDA(model.config, rngs=nnx.Rngs(0)))
   mesh = mesh_lib.make_mesh(c.mesh, jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
-  parts = build.parts(c, mesh, graphdef, params, model.config)  # The trainer's build path.
+  # The trainer's build path: the config resolved once, the parts built of the record.
+  parts = build.parts(specs.resolve(c, 1, model=model.config), mesh, graphdef, params)
   state = build.initial_state(parts, params, seed=0)
   spec = parts.run.likelihood
   update = build.make_update(parts)

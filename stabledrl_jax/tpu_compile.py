@@ -137,13 +137,13 @@ def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding
 
 
 def compile_decode(config: ml_collections.ConfigDict, devices, settings: decoding_lib.Decoding,
-                   *, rows: int | None = None, what: str = "decode") -> Result:
+                   *, rows: int | None = None, what: str = "decode", model: Any = None) -> Result:
   """The model's sampler (``decoding.generate``) with ``settings`` on ``devices``, for ``rows``
   prompts of ``rollout.prompt_length`` (default: the rollout batch, P x G), split as the trainer
-  splits them."""
+  splits them; ``model``: the model config where resolved already (``specs.resolve``)."""
   start = time.perf_counter()
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  model_cfg = specs.model_config(config)
+  model_cfg = specs.model_config(config) if model is None else model
   # A LoRA run samples with its adapters on the base as stored (bfloat16, int8, 4-bit).
   graphdef, state = build.abstract_params(config, mesh, model_cfg)
   r = config.rollout

@@ -195,7 +195,7 @@ def test_the_train_microbatch_never_refuses_a_sampler_or_evaluate_row(monkeypatc
   evaluation do not use it: their rows compile (here a stand-in records what it was given)."""
   given = []
 
-  def compile_decode(config, devices, settings, *, rows, what):
+  def compile_decode(config, devices, settings, *, rows, what, model=None):
     given.append((what, rows, config.train.microbatch_groups))
     memory = dict(argument=1, output=0, alias=0, temp=1, generated_code=0, total=2)
     return tpu_compile.Result(what, 0.0, memory, None, None)

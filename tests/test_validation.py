@@ -289,6 +289,33 @@ def test_the_rollouts_are_resolved_once_into_a_frozen_spec():
   assert evaluation.with_options(cache="dual").cache == "dual"
 
 
+def test_the_run_is_resolved_once_into_one_record():
+  """specs.resolve: every check (the mesh's included), then one typed record the trainer, the
+  planner and the compiles build from: the model config, both specs, the mesh shape with its
+  -1 axis filled in and the optimizer's schedule over train.num_steps x train.num_iterations."""
+  config = quickstart(**{"rollout.microbatch_groups": 1, "mesh.data": -1, "mesh.fsdp": 2,
+                         "train.num_iterations": 3, "optimizer.schedule": "linear",
+                         "optimizer.warmup_steps": 0, "optimizer.end_lr_factor": 0.0})
+  resolved = specs.resolve(config, num_devices=8)
+  assert resolved.model == specs.model_config(config)
+  assert resolved.run == specs.resolve_run(config, resolved.model)
+  assert resolved.rollout == specs.resolve_rollout(config)
+  assert resolved.mesh_shape == (("data", 4), ("fsdp", 2), ("tensor", 1))
+  assert resolved.data_ways == 8
+  assert resolved.num_updates == config.train.num_steps * 3
+  lr = config.optimizer.learning_rate
+  assert float(resolved.schedule(0)) == pytest.approx(lr)
+  assert float(resolved.schedule(resolved.num_updates)) == pytest.approx(0.0, abs=1e-12)
+  assert specs.resolve(config).mesh_shape is None and specs.resolve(config).data_ways is None
+  # The checks are validate's, the chunks over the mesh among them (one line naming the field).
+  with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=1 gives 8 rows per sampler "
+                                       r"call, not a multiple of the 16 data x fsdp devices"):
+    specs.resolve(config, num_devices=16)
+  config.optimizer.schedule = "cosine"
+  with pytest.raises(ValueError, match=r"optimizer\.schedule"):
+    specs.resolve(config, num_devices=8)
+
+
 def test_every_integer_field_of_base_config_has_a_range():
   """A new integer field needs a range in specs.INT_RANGES (or its objective's check)."""
   hparams = {f"objective.{name}.{field}" for name, field in objective_int_hparams()}

@@ -50,9 +50,8 @@ def rl_step_flops(config, *, cache: str | None = None) -> dict[str, Any]:
   of its model config and run spec), by part."""
   from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
-  model_cfg = specs.model_config(config)
-  return profiling.rl_step_flops_of_run(model_cfg, config.rollout,
-                                        specs.resolve_run(config, model_cfg),
+  resolved = specs.resolve(config)
+  return profiling.rl_step_flops_of_run(resolved.model, config.rollout, resolved.run,
                                         num_iterations=config.train.num_iterations, cache=cache)
 
 

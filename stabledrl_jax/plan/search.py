@@ -61,16 +61,10 @@ def apply_settings(config, settings: dict[str, Any]):
   return config
 
 
-def _ways(config, devices) -> int:
-  """data x fsdp: the devices a batch's rows split over."""
-  return mesh_lib.data_parallel_size(mesh_lib.make_mesh(config.mesh, devices))
-
-
-def _chunk_choices(config, ways: int) -> list[int]:
-  """Groups per call that divide the prompts and whose rows split over ``ways`` devices."""
-  r = config.rollout
-  return [g for g in range(1, r.num_prompts + 1)
-          if r.num_prompts % g == 0 and g * r.group_size % ways == 0]
+def _ways(config, num_devices: int) -> int:
+  """data x fsdp: the devices a batch's rows split over (``mesh.mesh_shape``)."""
+  data, fsdp, _ = mesh_lib.mesh_shape(config.mesh, num_devices)
+  return data * fsdp
 
 
 class Planner:
@@ -200,6 +194,7 @@ class Planner:
 
   def _candidates(self, what: str, topology: str, given: dict[str, Any]) -> list[dict]:
     """Settings from the least memory up to the given one's."""
+    from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
     c = self.config
     try:
       data, fsdp, _ = mesh_lib.mesh_shape(c.mesh, catalog.num_devices(
@@ -208,12 +203,12 @@ class Planner:
       return []  # The mesh does not fit the slice: the row's error says so; no setting helps.
     ways = data * fsdp
     if what == "train":
-      groups, choices = given["train.microbatch_groups"], _chunk_choices(c, ways)
+      groups, choices = given["train.microbatch_groups"], specs.microbatch_groups_for(c, ways)
       # A given microbatch that does not split over the devices: every valid one is a candidate.
       smaller = [g for g in choices if g <= groups] if groups in choices else choices
       return [{"train.microbatch_groups": g, "model.remat": True} for g in smaller]
     if what == "sampler":
-      groups, choices = given["rollout.microbatch_groups"], _chunk_choices(c, ways)
+      groups, choices = given["rollout.microbatch_groups"], specs.microbatch_groups_for(c, ways)
       smaller = [g for g in choices if g < groups] if groups in choices else choices
       return [{"rollout.microbatch_groups": g} for g in smaller]
     sizes, b = [], given["eval.batch_size"] // 2
@@ -226,32 +221,30 @@ class Planner:
 def compile_program(what: str, config, devices) -> Any:
   """Compiles ``what`` (train, sampler, evaluate) of ``config`` for ``devices`` with the TPU
   compiler or XLA:CPU (``tpu_compile``); the result's ``memory`` is per device. The planner's
-  default compile function.
+  default compile function. The config is resolved once (``specs.resolve``, every check over
+  the slice's devices) and the program built from the record.
 
   Raises:
     ValueError: a setting the slice cannot take (the config check), naming the field.
   """
   from stabledrl_jax import tpu_compile  # pylint: disable=g-import-not-at-top
-  # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training import specs
+  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
   if what == "train":
-    specs.validate(config, num_devices=len(devices))
-    return tpu_compile.compile_train_step(config, devices)
-  ways = _ways(config, devices)
+    return tpu_compile.compile_train_step(config, devices)  # build.abstract_update resolves.
   with config.unlocked():
     config.model.remat = False  # Inference: nothing is kept for a backward pass.
     # The train step's microbatch plays no part here; one that the slice cannot split (the
     # train row says so) must not refuse the sampler's or the evaluation's row.
-    choices = _chunk_choices(config, ways)
+    choices = specs.microbatch_groups_for(config, _ways(config, len(devices)))
     if choices and config.train.microbatch_groups not in choices + [0]:
       config.train.microbatch_groups = choices[-1]
-  specs.validate(config, num_devices=len(devices))  # The sampler's chunks split over the mesh.
+  resolved = specs.resolve(config, len(devices))  # The sampler's chunks split over the mesh.
+  rollout = resolved.rollout
   if what == "sampler":
-    r = config.rollout
-    groups = r.get("microbatch_groups", 0) or r.num_prompts
-    return tpu_compile.compile_decode(config, devices,
-                                      tpu_compile.rollout_decoding(config, cache=r.cache),
-                                      rows=groups * r.group_size, what="sampler")
+    return tpu_compile.compile_decode(config, devices, rollout.sampling, model=resolved.model,
+                                      rows=rollout.chunk_rows or rollout.num_rows,
+                                      what="sampler")
+  ways = resolved.data_ways
   rows = -(-config.eval.batch_size // ways) * ways  # Padded as decoding.generate_batches pads.
-  return tpu_compile.compile_decode(config, devices, specs.resolve_rollout(config).evaluation,
+  return tpu_compile.compile_decode(config, devices, rollout.evaluation, model=resolved.model,
                                     rows=rows, what="evaluate")

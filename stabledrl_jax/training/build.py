@@ -21,7 +21,6 @@ from flax import nnx
 from stabledrl_jax import hub, input_files, models, workdir_files
 from stabledrl_jax.models import lora as lora_lib
 from stabledrl_jax.training import checkpointing, data, mesh as mesh_lib
-from stabledrl_jax.training import optimizer as optimizer_lib
 from stabledrl_jax.training import rl_loss, run_spec as run_spec_lib, specs, train_step
 
 
@@ -144,8 +143,8 @@ class Parts:
     mesh: the device mesh.
     model_config: the model's config.
     graphdef: the model's graph (``nnx.split``); its parameters live in the state.
-    run: the resolved run (``specs.resolve_run``): objective, likelihood, microbatches, LoRA.
-    rollout: the resolved rollouts (``specs.resolve_rollout``): batch, prompts, sampler, eval.
+    run: the resolved run (``Resolved.run``): objective, likelihood, microbatches, LoRA.
+    rollout: the resolved rollouts (``Resolved.rollout``): batch, prompts, sampler, eval.
     tx: the optimizer; ``schedule`` its learning rate per update, over ``num_updates``.
     state_shardings: the ``TrainState``'s shardings.
     batch_sharding: rows split over the mesh's data axes (rank-1 spec: any rank).
@@ -165,21 +164,17 @@ class Parts:
   replicated: jax.sharding.NamedSharding
 
 
-def parts(config: ml_collections.ConfigDict, mesh, graphdef: Any, params: Any,
-          model_config: Any) -> Parts:
-  """The parts of ``config``'s run on the model (``graphdef``, ``params``: concrete or
-  abstract, with their shardings)."""
-  num_updates = config.train.num_steps * config.train.num_iterations
-  tx = optimizer_lib.make_optimizer(config.optimizer, num_updates)
-  run = specs.resolve_run(config, model_config)
+def parts(resolved: run_spec_lib.Resolved, mesh, graphdef: Any, params: Any) -> Parts:
+  """The parts of a resolved run (``specs.resolve``) on the model (``graphdef``, ``params``:
+  concrete or abstract, with their shardings) placed on ``mesh``."""
+  run = resolved.run
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   shardings = train_step.state_shardings(
-      tx, params, jax.tree.map(lambda p: p.sharding, params), replicated,
+      resolved.tx, params, jax.tree.map(lambda p: p.sharding, params), replicated,
       objective_state=run.initial_state(), lora=run.lora)
-  return Parts(mesh=mesh, model_config=model_config, graphdef=graphdef, run=run,
-               rollout=specs.resolve_rollout(config), tx=tx,
-               schedule=optimizer_lib.learning_rate_schedule(config.optimizer, num_updates),
-               num_updates=num_updates, state_shardings=shardings,
+  return Parts(mesh=mesh, model_config=resolved.model, graphdef=graphdef, run=run,
+               rollout=resolved.rollout, tx=resolved.tx, schedule=resolved.schedule,
+               num_updates=resolved.num_updates, state_shardings=shardings,
                batch_sharding=models.batch_sharding(mesh, ndim=1), replicated=replicated)
 
 
@@ -225,9 +220,9 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
     ``TrainState``, a ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
   """
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  model_config = specs.model_config(config)
-  graphdef, params = abstract_params(config, mesh, model_config, seed=config.seed)
-  built = parts(config, mesh, graphdef, params, model_config)
+  resolved = specs.resolve(config, mesh.devices.size)
+  graphdef, params = abstract_params(config, mesh, resolved.model, seed=config.seed)
+  built = parts(resolved, mesh, graphdef, params)
   state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda p: train_step.create_train_state(

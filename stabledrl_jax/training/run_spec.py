@@ -1,6 +1,8 @@
 """The resolved specs of one RL run, derived from the config once and then passed whole:
 ``RunSpec``, what the update and the scoring take (``specs.resolve_run``); ``RolloutSpec``, what
-the rollouts and the held-out evaluation take (``specs.resolve_rollout``).
+the rollouts and the held-out evaluation take (``specs.resolve_rollout``); ``Resolved``, the
+whole run's record (``specs.resolve``: every check, then the model config, both specs, the mesh
+shape and the optimizer's schedule), which the trainer, the planner and the compiles take.
 
 Both are frozen and hashable (no arrays), so the jitted update compiles for their values; nothing
 downstream of them reads the config again. This module imports no config code: the update step
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import optax
 
 from stabledrl_jax import estimators, objectives
 from stabledrl_jax.training import decoding
@@ -104,3 +108,36 @@ class RolloutSpec:
   def num_rows(self) -> int:
     """Rollouts per step, over every process: num_prompts x group_size."""
     return self.num_prompts * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """One run's config resolved once (``specs.resolve``), every check passed.
+
+  Attributes:
+    model: the model's config (its family's frozen dataclass; a checkpoint's once loaded).
+    run: what the update and the scoring take.
+    rollout: what the rollouts and the held-out evaluation take.
+    mesh_shape: ((axis, size), ...) of the mesh over the devices it was resolved for, -1 axes
+      filled in (``mesh.mesh_shape``); None where no device count was given.
+    num_updates: optimizer updates of the run, train.num_steps x train.num_iterations, over
+      which ``schedule`` runs.
+    tx: the optimizer (``optimizer.make_optimizer``).
+    schedule: its learning rate per update.
+  """
+
+  model: Any
+  run: RunSpec
+  rollout: RolloutSpec
+  mesh_shape: tuple[tuple[str, int], ...] | None
+  num_updates: int
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+
+  @property
+  def data_ways(self) -> int | None:
+    """Devices a batch's rows split over (data x fsdp); None without a mesh shape."""
+    if self.mesh_shape is None:
+      return None
+    sizes = dict(self.mesh_shape)
+    return sizes["data"] * sizes["fsdp"]

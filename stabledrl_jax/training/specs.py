@@ -24,6 +24,7 @@ from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
 from stabledrl_jax.models import lora as lora_lib
 from stabledrl_jax.training import data, decoding, run_spec
+from stabledrl_jax.training import optimizer as optimizer_lib
 
 # Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
 # takes the objective's official value (``objectives.Objective.estimator``). A plugin method's
@@ -651,3 +652,33 @@ def resolve_rollout(config: ml_collections.ConfigDict) -> run_spec.RolloutSpec:
       sampling=decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps),
       evaluation=decoding.Decoding.of_eval(config),
       chunk_rows=decoding.chunk_rows_of(r), stress_fraction=float(config.estimator.stress.fraction))
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int | None = None, *,
+            model: Any = None, check: bool = True) -> run_spec.Resolved:
+  """``config`` resolved once: every check (``validate``: over a mesh of ``num_devices`` where
+  given), then the record the run is built from.
+
+  Args:
+    config: the experiment config.
+    num_devices: the devices the mesh spans (None: no mesh checks, no ``mesh_shape``).
+    model: the model's config where it is known otherwise (a loaded checkpoint's); default
+      ``model_config(config)``.
+    check: False where the caller validated this config already (the trainer checks before it
+      touches the workdir and resolves once the model is loaded).
+
+  Raises:
+    ValueError: naming the first bad field.
+  """
+  if check:
+    validate(config, num_devices)
+  from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
+  model = model_config(config) if model is None else model
+  num_updates = config.train.num_steps * config.train.num_iterations
+  shape = (None if num_devices is None else
+           tuple(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices))))
+  return run_spec.Resolved(
+      model=model, run=resolve_run(config, model), rollout=resolve_rollout(config),
+      mesh_shape=shape, num_updates=num_updates,
+      tx=optimizer_lib.make_optimizer(config.optimizer, num_updates),
+      schedule=optimizer_lib.learning_rate_schedule(config.optimizer, num_updates))

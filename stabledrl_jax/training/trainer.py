@@ -129,7 +129,9 @@ class Trainer:
         model = supervised.resumed_start(config, self.workdir, self.mesh)
     model_config = model.config
     graphdef, params = nnx.split(build.with_lora(config, model, self.mesh), nnx.Param)
-    self.parts = parts = build.parts(config, self.mesh, graphdef, params, model_config)
+    # The config resolved once (validated in __init__), for the model as loaded.
+    resolved = specs.resolve(config, self.mesh.devices.size, model=model_config, check=False)
+    self.parts = parts = build.parts(resolved, self.mesh, graphdef, params)
     note = specs.estimator_note(config)
     if note and self.primary:
       print(note, file=sys.stderr, flush=True)
