@@ -101,11 +101,21 @@ def test_auto_picks_by_the_target_platform():
   assert layers.attention_impl("auto", jnp.float32) == "xla"  # CPU: today's code.
   with jax.sharding.use_abstract_mesh(_abstract_mesh("tpu")):
     assert layers.attention_impl("auto", jnp.float32) == "splash"
+    # Measured (experiments/attention_choice.py): a call over a KV cache whose head dimension
+    # does not fill the 128 lanes needs less with xla, in either dtype; at 128 (LLaDA-8B's)
+    # splash needs less everywhere.
+    for dtype in (jnp.float32, jnp.bfloat16):
+      assert layers.attention_impl("auto", dtype) == "splash"
+      assert layers.attention_impl("auto", dtype, cached=True, head_dim=64) == "xla"
+      assert layers.attention_impl("auto", dtype, cached=True) == "xla"
+      assert layers.attention_impl("auto", dtype, cached=True, head_dim=128) == "splash"
+      assert layers.attention_impl("auto", dtype, cached=True, head_dim=256) == "splash"
   with jax.sharding.use_abstract_mesh(_abstract_mesh("gpu")):
     assert layers.attention_impl("auto", jnp.bfloat16) == "cudnn"
     assert layers.attention_impl("auto", jnp.float32) == "xla"  # cuDNN has no float32 kernel.
   for name in ("xla", "splash", "cudnn"):
     assert layers.attention_impl(name, jnp.float32) == name
+    assert layers.attention_impl(name, jnp.float32, cached=True) == name
 
 
 def test_the_xla_path_is_the_cpu_default_bit_for_bit():

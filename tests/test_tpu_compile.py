@@ -4,9 +4,10 @@ libtpu (in the test extra) compiles on this CPU host for compile-only devices of
 (`stabledrl_jax.tpu_compile`): v5e 2x2 (4 chips, one host) and v5e 4x4 (16 chips, 4 hosts).
 Tiny configs (the quickstarts at 2 x 2 rollouts); each compile takes seconds. Every result must
 fit a v5e chip (16 GiB) with positive bytes, and the splash kernel must be in the compiled program
-exactly where the attention is splash ('auto' on TPU).
+exactly where the attention is splash ('auto' on TPU, but for narrow-head calls over a KV cache).
 """
 
+import json
 import os
 import pathlib
 import subprocess
@@ -83,8 +84,27 @@ def test_train_step_on_a_multi_host_slice():
 def test_rollout_sampler(v5e_2x2, family, cache, remasking):
   config = tiny(family)
   settings = tpu_compile.rollout_decoding(config, cache=cache, remasking=remasking)
+  # 'auto' at the tiny head dimension: SDAR's sampler runs every call over its KV cache, with
+  # xla (measured to need less: test_auto_leaves_the_cached_calls_of_a_narrow_head_to_xla).
   check(tpu_compile.compile_decode(config, v5e_2x2, settings, what=f"{cache} {remasking}"),
-        splash=True)
+        splash=family == "llada")
+
+
+@pytest.mark.parametrize("family,cache", [("llada", "prefix"), ("sdar", "none")])
+def test_auto_leaves_the_cached_calls_of_a_narrow_head_to_xla(v5e_2x2, family, cache):
+  """'auto' at a head dimension under 128 lanes (the tiny configs' 16;
+  experiments/attention_choice.py): splash for the full passes, xla for the calls over a KV
+  cache, so its program has fewer splash kernels than
+  model.attention='splash''s: LLaDA's prefix-cache sampler keeps splash for each block's first
+  (full) pass; every call of SDAR's sampler, the prompt's included, goes over its cache."""
+  counts = {}
+  for attention in ("", "splash"):
+    config = tiny(family, attention=attention)
+    result = tpu_compile.compile_decode(config, v5e_2x2,
+                                        tpu_compile.rollout_decoding(config, cache=cache))
+    counts[attention or "auto"] = result.compiled.as_text().count(SPLASH_CALL)
+  assert counts["auto"] < counts["splash"], counts
+  assert (counts["auto"] > 0) == (family == "llada"), counts
 
 
 @pytest.mark.parametrize("family", ["llada", "sdar"])
@@ -92,7 +112,7 @@ def test_evaluation_decode(v5e_2x2, family):
   config = tiny(family)
   result = tpu_compile.compile_decode(config, v5e_2x2, decoding_lib.Decoding.of_eval(config),
                                       rows=config.eval.batch_size, what="eval")
-  check(result, splash=True)
+  check(result, splash=family == "llada")
 
 
 def test_an_unknown_topology_is_one_line():
@@ -127,3 +147,24 @@ def test_libtpu_is_quiet_where_there_is_no_tpu():
                   ) == ""
   finally:
     holder.wait(timeout=60)
+
+
+def test_the_attention_choice_script_prints_its_table(tmp_path):
+  """experiments/attention_choice.py at a tiny shape (the exact sampler, the cheapest program):
+  each kernel's bytes, the smaller one, and auto's, which are splash's program (full passes)."""
+  out = tmp_path / "choice.json"
+  tiny_shape = ["--override", "d_model=64", "--override", "n_heads=4", "--override",
+                "n_kv_heads=2", "--override", "n_layers=2", "--override", "mlp_hidden_size=128"]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+  result = subprocess.run(
+      [sys.executable, str(REPO / "experiments" / "attention_choice.py"), "--families", "llada",
+       "--dtypes", "float32", "--programs", "none", *tiny_shape, f"--output={out}"],
+      capture_output=True, text=True, cwd=REPO, timeout=600, env=env, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "| llada | 16 | float32 | none |" in result.stdout
+  (row,) = json.loads(out.read_text())
+  assert row["head_dim"] == 16 and row["program"] == "none"
+  assert row["smaller"] == ("splash" if row["splash"] < row["xla"] else "xla")
+  assert 0 < row["xla"] != row["splash"] > 0
+  assert row["auto"] == row["splash"]  # No call over a cache: auto is splash on TPU.

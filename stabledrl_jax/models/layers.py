@@ -339,7 +339,7 @@ class Attention(nnx.Module):
           cached, jnp.where(fresh, new.astype(cached.dtype), old), start, axis=1)
 
     k, v = merged(cache[0], k_new), merged(cache[1], v_new)
-    impl = attention_impl(self.attention, self.dtype)
+    impl = attention_impl(self.attention, self.dtype, cached=True, head_dim=self.head_dim)
     if impl == "xla":
       mask = None if key_mask is None else key_mask[:, None, :]
       out = dot_product_attention(self._queries(xq, cos_q, sin_q), k, v, mask, dtype=self.dtype)
@@ -389,7 +389,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None, *,
 
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 # The one default (the model configs' `attention` field; config_lib's model.attention '' keeps
-# it): the platform's kernel (TPU: splash, GPU: cudnn for 16-bit compute), else "xla".
+# it): the platform's kernel by measurement (`attention_impl`), else "xla".
 DEFAULT_ATTENTION = "auto"
 # Splash attention's tiles: the sequence axes are padded to multiples of this (block_q and
 # block_kv must be multiples of 128 on TPU).
@@ -414,15 +414,25 @@ def target_platform() -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
-def attention_impl(name: str, dtype: Any) -> str:
+def attention_impl(name: str, dtype: Any, *, cached: bool = False,
+                   head_dim: int | None = None) -> str:
   """The kernel ``model.attention = name`` runs for a compute ``dtype``: 'xla', 'splash' or
-  'cudnn'. 'auto' is splash on TPU, cudnn on GPU for bfloat16 / float16 compute (cuDNN's flash
-  attention takes no float32), else xla (the CPU default)."""
+  'cudnn'.
+
+  'auto' is, on TPU, the kernel the TPU compiler measures to need less memory
+  (docs/performance.md, "Attention kernel", from ``experiments/attention_choice.py``): splash,
+  except in a call over a KV cache (``cached``: a block of queries over every position, LLaDA's
+  prefix and dual caches, SDAR's sampler) whose ``head_dim`` does not fill the TPU's 128 lanes,
+  where splash's padded layouts of the whole cache cost more than the scores it saves (xla is
+  chosen there). On GPU cudnn for bfloat16 / float16 compute (cuDNN's flash attention takes no
+  float32); else xla (the CPU default).
+  """
   if name != "auto":
     return name
   platform = target_platform()
   if platform == "tpu":
-    return "splash"
+    lanes_padded = head_dim is None or head_dim % SPLASH_TILE != 0
+    return "xla" if cached and lanes_padded else "splash"
   if platform in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
     return "cudnn"
   return "xla"

@@ -181,7 +181,8 @@ _XLA_ATTENTION = "config.model.attention=xla"
 def _attention_savings(rows: list[dict[str, Any]]) -> list[str]:
   """A table of what the kernel attention saves: each compiled row planned again with
   ``--config.model.attention=xla`` (softmax attention that materializes the [B, H, L, L]
-  scores) beside the row without that override (``auto``: splash on TPU)."""
+  scores) beside the row without that override (``auto``: ``layers.attention_impl``'s choice,
+  splash on TPU for the paper configs' bfloat16)."""
   def key(r, drop=()):
     overrides = tuple(o for o in r.get("overrides", []) if o not in drop)
     return (r["config"], overrides, r["topology"], r["what"], r["compiler"],
@@ -195,7 +196,8 @@ def _attention_savings(rows: list[dict[str, Any]]) -> list[str]:
     return []
   lines = ["", "Attention kernel: the same programs with `--config.model.attention=xla` (softmax "
            "attention over materialized [B, H, L, L] scores) against the default (`auto`: "
-           "splash attention with the tpu compiler, the same xla attention with the cpu one; "
+           "splash attention with the tpu compiler at bfloat16, the same xla attention with "
+           "the cpu one; "
            "a row that ran out of memory gives the bytes the compiler asked for):", "",
            "| config | slice | what | settings | GiB per chip, default | GiB per chip, xla | "
            "saved GiB |", "|---|---|---|---|---:|---:|---:|"]

@@ -47,7 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
       # one layer's kernels gathered and one layer's gradients reduced at a time).
       scan_layers=False,
       # The attention kernel: auto | xla | splash (Pallas, TPU) | cudnn (GPU); '' = the model
-      # config's default, auto: splash on TPU, cudnn on GPU for 16-bit compute, else xla.
+      # config's default, auto: the kernel measured to need less memory (layers.attention_impl:
+      # splash on TPU but in KV-cached calls of a head under 128; GPU: cudnn at 16 bits), else xla.
       attention="",
       # LoRA (models/lora.py, docs/training.md "LoRA"): rank r of the adapters, 0 = every
       # parameter trains (the default, as StableDRL's official code); alpha: the adapters' scale

@@ -169,7 +169,7 @@ class _Cached:
 
   def __call__(self, q, k, v, aux):
     cache_k, cache_v, cache_visible, q_positions, new_mask = aux
-    impl = layers.attention_impl(self.attention, self.dtype)
+    impl = layers.attention_impl(self.attention, self.dtype, cached=True, head_dim=q.shape[-1])
     if impl != "xla":  # The cache's length is a multiple of block_size (`SDAR.extend`).
       return _cached_layout(q, cache_k, cache_v, cache_visible, k, v, new_mask, self.block_size,
                             impl, self.dtype)
