@@ -419,12 +419,12 @@ def attention_impl(name: str, dtype: Any, *, cached: bool = False,
   """The kernel ``model.attention = name`` runs for a compute ``dtype``: 'xla', 'splash' or
   'cudnn'.
 
-  'auto' is, on TPU, the kernel the TPU compiler measures to need less memory
-  (docs/performance.md, "Attention kernel", from ``experiments/attention_choice.py``): splash,
-  except in a call over a KV cache (``cached``: a block of queries over every position, LLaDA's
-  prefix and dual caches, SDAR's sampler) whose ``head_dim`` does not fill the TPU's 128 lanes,
-  where splash's padded layouts of the whole cache cost more than the scores it saves (xla is
-  chosen there). On GPU cudnn for bfloat16 / float16 compute (cuDNN's flash attention takes no
+  'auto' is, on TPU, a rule drawn from the TPU compiler's bytes (docs/performance.md,
+  "Attention kernel", from ``experiments/attention_choice.py``; the cases it gets wrong are
+  listed there): splash, except in a call over a KV cache (``cached``: a block of queries over
+  every position, LLaDA's prefix and dual caches, SDAR's sampler) whose ``head_dim`` does not
+  fill the TPU's 128 lanes, where splash's padded layouts of the whole cache cost more than the
+  scores it saves (xla is chosen there). On GPU cudnn for bfloat16 / float16 compute (cuDNN's flash attention takes no
   float32); else xla (the CPU default).
   """
   if name != "auto":
