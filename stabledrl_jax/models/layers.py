@@ -424,8 +424,8 @@ def attention_impl(name: str, dtype: Any, *, cached: bool = False,
   listed there): splash, except in a call over a KV cache (``cached``: a block of queries over
   every position, LLaDA's prefix and dual caches, SDAR's sampler) whose ``head_dim`` does not
   fill the TPU's 128 lanes, where splash's padded layouts of the whole cache cost more than the
-  scores it saves (xla is chosen there). On GPU cudnn for bfloat16 / float16 compute (cuDNN's flash attention takes no
-  float32); else xla (the CPU default).
+  scores it saves (xla is chosen there). On GPU cudnn for bfloat16 / float16 compute (cuDNN's
+  flash attention takes no float32); else xla (the CPU default).
   """
   if name != "auto":
     return name

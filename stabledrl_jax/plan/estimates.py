@@ -50,7 +50,7 @@ def rl_step_flops(config, *, cache: str | None = None) -> dict[str, Any]:
   of its model config and run spec), by part."""
   from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
-  resolved = specs.resolve(config)
+  resolved = specs.resolve(config, check=False)  # A count: the plan command checks first.
   return profiling.rl_step_flops_of_run(resolved.model, config.rollout, resolved.run,
                                         num_iterations=config.train.num_iterations, cache=cache)
 

@@ -197,11 +197,9 @@ class Planner:
     from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
     c = self.config
     try:
-      data, fsdp, _ = mesh_lib.mesh_shape(c.mesh, catalog.num_devices(
-          catalog.topology_name(topology)))
+      ways = _ways(c, catalog.num_devices(catalog.topology_name(topology)))
     except ValueError:
       return []  # The mesh does not fit the slice: the row's error says so; no setting helps.
-    ways = data * fsdp
     if what == "train":
       groups, choices = given["train.microbatch_groups"], specs.microbatch_groups_for(c, ways)
       # A given microbatch that does not split over the devices: every valid one is a candidate.
