@@ -827,8 +827,10 @@ def test_cached_rollouts_train_and_evaluation_stays_exact(tmp_path, monkeypatch)
 
 
 # The command line with the supervised start's second step held 600 s inside one jitted call,
-# so that signals sent after step 0 land inside a step however fast the machine is.
-_SLOW_SFT = """
+# so that signals land inside a step however fast the machine is. It prints SLOW_STEP as it
+# enters that step: after step 0's stop check, so that no signal can be taken at that boundary.
+SLOW_STEP = "slow sft step"
+_SLOW_SFT = f"""
 import sys, time
 import jax, numpy as np
 from stabledrl_jax.training import supervised
@@ -837,6 +839,7 @@ real, calls = supervised._sft_step, []
 def slow(*args, **kwargs):
   calls.append(1)
   if len(calls) == 2:
+    print({SLOW_STEP!r}, flush=True)
     wait = lambda x: jax.pure_callback(lambda y: (time.sleep(600), y)[1],
                                        jax.ShapeDtypeStruct((), np.float32), x)
     jax.block_until_ready(jax.jit(wait)(np.float32(0)))
@@ -850,18 +853,21 @@ train.run()
 
 
 def _start_and_signal(workdir, signals, flags, env, *, slow=False):
-  """Starts the CLI on ``workdir`` (``slow``: its supervised step 1 takes 600 s); once it prints
-  ``sft step 0`` sends ``signals`` (0.2 s apart). Returns (exit code, output)."""
+  """Starts the CLI on ``workdir``; once it prints ``sft step 0`` (``slow``: once it enters its
+  supervised step 1, which takes 600 s) sends ``signals`` (0.2 s apart). Returns (exit code,
+  output)."""
   command = _cli(workdir, *flags)
+  ready = "sft step 0"
   if slow:
     command = [sys.executable, "-c", _SLOW_SFT, *command[3:]]
+    ready = SLOW_STEP
   process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
   lines = []
   try:
     for line in process.stdout:
       lines.append(line)
-      if line.startswith("sft step 0"):
+      if line.startswith(ready):
         for signum in signals:
           process.send_signal(signum)
           time.sleep(0.2)
