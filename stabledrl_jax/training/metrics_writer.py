@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,6 +20,26 @@ from absl import logging
 from etils import epath
 
 from stabledrl_jax import workdir_files
+
+
+def _import_tensorboardx():
+  """tensorboardX, imported without torch.
+
+  tensorboardX's package imports torch when it is installed (the ``peft`` extra installs it),
+  only to accept torch tensors, which this writer never passes: 1.8 s of every run's start on
+  a 2-core machine. torch is hidden while tensorboardX loads (it takes torch as optional) and
+  shown again after; where torch is already loaded, nothing is hidden.
+  """
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+    return tensorboardX
+  sys.modules["torch"] = None  # An ``import torch`` now raises ImportError.
+  try:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+  finally:
+    if sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return tensorboardX
 
 
 def _to_python(value: Any) -> Any:
@@ -126,7 +147,7 @@ class MetricsWriter:
     self._samples = _JsonlLog(workdir / "samples.jsonl", local=local, resume_step=resume_step)
     self._tb = None
     if tensorboard:
-      import tensorboardX  # Imported lazily: only the writer needs it.
+      tensorboardX = _import_tensorboardx()
       # Its events file is a new name in a real directory of the workdir (a random suffix: no
       # link planted under the name it will take).
       self._tb = tensorboardX.SummaryWriter(
