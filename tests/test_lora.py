@@ -22,8 +22,7 @@ D1_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
 
 
 def _tiny(family="llada"):
-  config = (models.get_config("tiny") if family == "llada" else models.get_sdar_config("tiny"))
-  return models.init_model(config, seed=0)
+  return models.init_model(models.family.get(family).get_config("tiny"), seed=0)
 
 
 def _tokens(model):
@@ -71,7 +70,7 @@ def test_targets_are_the_official_names_matched_as_peft_matches_them():
   assert chosen["model.layers.0.self_attn.o_proj"] == ("layers", 0, "self_attn", "o_proj")
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_adapters_change_nothing_until_trained_and_off_is_the_base(family):
   model = _tiny(family)
   tokens = _tokens(model)
@@ -225,9 +224,9 @@ def test_lora_dropout_drops_the_adapter_input_only_and_only_where_keyed(rng=np.r
   assert not np.allclose(want, plain, atol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_lora_dropout_is_the_same_under_scan_layers_and_remat(family):
-  config = (models.get_config("tiny") if family == "llada" else models.get_sdar_config("tiny"))
+  config = models.family.get(family).get_config("tiny")
   outputs = []
   for scan, remat in ((False, False), (True, True)):
     model = models.init_model(dataclasses.replace(config, scan_layers=scan, remat=remat), seed=0)

@@ -15,10 +15,7 @@ from stabledrl_jax.models.sdar import sampler as sdar_sampler
 
 
 def _pair(family):
-  if family == "llada":
-    build, get = models.LLaDA, models.get_config
-  else:
-    build, get = models.SDAR, models.get_sdar_config
+  build, get = models.family.get(family).model_cls, models.family.get(family).get_config
   return (build(get("tiny", remat=False), rngs=nnx.Rngs(0)),
           build(get("tiny", remat=True), rngs=nnx.Rngs(0)))
 
@@ -41,7 +38,7 @@ def test_a_remat_sdar_samples_as_the_plain_one():
                                 sdar_sampler.generate(plain, prompt, **kw))
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_remat_keeps_the_loss_and_gradients(family):
   plain, remat = _pair(family)
   tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 40)

@@ -99,7 +99,7 @@ def test_bad_config_values_name_the_field(field, value, match):
     specs.validate(config, num_devices=1)
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_scan_layers_reaches_the_model_config(family):
   config = tiny_config(**{"model.scan_layers": True, "model.family": family})
   specs.validate(config, num_devices=1)

@@ -39,6 +39,7 @@ from stabledrl_jax.models.hf_io import (CheckpointError, from_pretrained, load_c
 from stabledrl_jax.models.llada import CONFIG_NAMES, LLaDA, ModelConfig, get_config
 from stabledrl_jax.models.sdar import (SDAR, SDAR_CONFIG_NAMES, KVCache, SDARConfig,
                                        get_sdar_config)
+from stabledrl_jax.models import dream  # noqa: F401  (registers the Dream family)
 from stabledrl_jax.models.sharding import (LOGICAL_AXIS_RULES, batch_sharding, init_sharded,
                                            param_shardings)
 
