@@ -2,8 +2,9 @@
 
     python experiments/model_sizes.py
 
-Counts come from the module itself (`models.count_params` traces `LLaDA(config)` or `SDAR(config)`
-abstractly with `nnx.eval_shape`, so nothing is allocated, even for the 8B configs).
+Counts come from the module itself (`models.count_params` traces `LLaDA(config)`, `SDAR(config)`
+or `Dream(config)` abstractly with `nnx.eval_shape`, so nothing is allocated, even for the 8B
+configs).
 """
 
 from stabledrl_jax import models
@@ -34,6 +35,20 @@ def main():
           f"{c.num_key_value_heads} x {c.head_dim} | {c.intermediate_size} | {c.vocab_size} | "
           f"{c.block_size} | {n:,} | {_human(models.param_bytes(c, 'bfloat16'))} | "
           f"{_human(models.param_bytes(c, 'float32'))} | {_human(kv)} |")
+
+
+  print()
+  print("Dream (Qwen2 layers, biased q / k / v; docs/models.md, \"Dream\"):")
+  print()
+  print("| config | layers | hidden | heads (q / kv) | MLP | vocab | parameters | bf16 weights "
+        "| fp32 weights |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for name in models.DREAM_CONFIG_NAMES:
+    c = models.get_dream_config(name)
+    print(f"| `{name}` | {c.num_hidden_layers} | {c.hidden_size} | {c.num_attention_heads} / "
+          f"{c.num_key_value_heads} | {c.intermediate_size} | {c.vocab_size} | "
+          f"{models.count_params(c):,} | {_human(models.param_bytes(c, 'bfloat16'))} | "
+          f"{_human(models.param_bytes(c, 'float32'))} |")
 
 
 def _human(num_bytes):

@@ -309,7 +309,7 @@ def _elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
 
 
 def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
-                     num_samples: int) -> MaskSample:
+                     num_samples: int, *, coupled: bool = True) -> MaskSample:
   """ESPO's ELBO: exact counts stratified over the batch, each mask paired with its complement.
 
   The pool is the whole generation (the completion and the positions after it), all of it
@@ -317,7 +317,8 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   sets row i's count ``x = round(u_k + i (L + 1) / B) mod (L + 1)`` (so x = 0 and x = L occur);
   x uniformly chosen positions are masked, weighted ``(L + 1) / x``, and the complement
   ``(L + 1) / (L - x)``; the two halves are averaged (each is unbiased on its own). Prompts stay
-  clean. The mean form divides by L.
+  clean. The mean form divides by L. ``coupled=False`` drops the complements (ESPO's
+  ``reduce_var false``, its Dream recipe): the masks alone, unhalved.
   """
   key_shift, key_mask = jax.random.split(key)
   k = num_samples
@@ -329,11 +330,14 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   count = jnp.mod(jnp.round(shift + row * (length[None] + 1) / batch), length[None] + 1)
   masked = _random_subset(key_mask, jnp.broadcast_to(pool, (k,) + pool.shape),
                           count.astype(jnp.int32))
-  complement = pool[None] & ~masked
-  scale = jnp.concatenate([safe_div(length[None] + 1, 2 * count),
-                           safe_div(length[None] + 1, 2 * (length[None] - count))]) / k
-  rows = jnp.concatenate([masked, complement])
-  counts = jnp.concatenate([count, length[None] - count])
+  if coupled:
+    complement = pool[None] & ~masked
+    scale = jnp.concatenate([safe_div(length[None] + 1, 2 * count),
+                             safe_div(length[None] + 1, 2 * (length[None] - count))]) / k
+    rows = jnp.concatenate([masked, complement])
+    counts = jnp.concatenate([count, length[None] - count])
+  else:
+    scale, rows, counts = safe_div(length[None] + 1, count) / k, masked, count
   return MaskSample.per_row(noisy=rows, scored=rows, sum_scale=scale,
                             mean_scale=safe_div(scale, length[None]),
                             rate=safe_div(counts, jnp.broadcast_to(length[None], counts.shape)))

@@ -322,9 +322,9 @@ class Options:
   gen_lengths: Sequence[int] = (128, 256, 512)
   step: int | None = None
   steps: int = _DECODING["steps"]
-  block_length: int = _DECODING["block_length"]
+  block_length: int | None = None  # None: the family's official (Family.eval_decoding), or d1's
   temperature: float = _DECODING["temperature"]
-  remasking: str = _DECODING["remasking"]
+  remasking: str | None = None  # None: as block_length
   threshold: float = _DECODING["threshold"]
   cfg_scale: float = _DECODING["cfg_scale"]
   cache: str = _DECODING["cache"]
@@ -372,6 +372,25 @@ def data_sources(pairs: Sequence[str], names: Sequence[str]) -> dict[str, str]:
   return sources
 
 
+def decoding_settings(options: Options, model_config: Any) -> list[SamplerSettings]:
+  """One decoding setup per generation length: the command line's options, and where it names
+  no block length or remasking rule, the model family's official evaluation settings
+  (``Family.eval_decoding``: Dream's whole-completion entropy decoding), else d1's."""
+  official = family_lib.of(model_config).eval_decoding
+  given = {k: v for k, v in (("block_length", options.block_length),
+                             ("remasking", options.remasking)) if v is not None}
+  settings = []
+  for length in options.gen_lengths:
+    fields = dict(block_length=_DECODING["block_length"], remasking=_DECODING["remasking"])
+    fields.update(official(length))
+    fields.update(given)
+    settings.append(SamplerSettings.d1(length, steps=options.steps,
+                                       temperature=options.temperature,
+                                       threshold=options.threshold, cfg_scale=options.cfg_scale,
+                                       cache=options.cache, **fields))
+  return settings
+
+
 def _check_decoding(settings: Sequence[SamplerSettings], model_config: Any, where: str) -> None:
   """Raises ValueError, naming the checkpoint and its family, unless its sampler takes every
   setting (``Decoding.check``)."""
@@ -401,12 +420,7 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
                      f"{options.temperature}")
   names = task_names(options.task)
   sources = data_sources(options.data, names)
-  settings = [SamplerSettings.d1(length, steps=options.steps, block_length=options.block_length,
-                                 temperature=options.temperature, remasking=options.remasking,
-                                 threshold=options.threshold, cfg_scale=options.cfg_scale,
-                                 cache=options.cache)
-              for length in options.gen_lengths]
-  if not settings:
+  if not options.gen_lengths:
     raise ValueError("no generation length given")
   _check_sizes(options.batch_size, options.shard_size)
   if options.model_name and not _MODEL_NAME.fullmatch(options.model_name):
@@ -427,10 +441,11 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   dtype = jnp.dtype(dtype)
   if hub.is_hub_id(options.checkpoint):  # Its config.json alone first: before any weight fetch.
-    _check_decoding(settings, models.load_config(options.checkpoint, dtype=dtype,
-                                                 param_dtype=dtype), options.checkpoint)
+    hub_config = models.load_config(options.checkpoint, dtype=dtype, param_dtype=dtype)
+    _check_decoding(decoding_settings(options, hub_config), hub_config, options.checkpoint)
   source = checkpoint_source.resolve(options.checkpoint, options.step)
   model_config = checkpoint_source.model_config(source, dtype=dtype)
+  settings = decoding_settings(options, model_config)
   _check_decoding(settings, model_config, source.path)  # No weight is read yet.
   tokenizer = checkpoint_source.load_tokenizer(source, options.tokenizer)
   data.check_tokenizer(model_config, tokenizer)
@@ -522,15 +537,19 @@ def define_flags() -> None:
   flags.DEFINE_list("task", None, "gsm8k, math500, countdown, sudoku (comma-separated) or all.")
   flags.DEFINE_string("output_dir", None, "Where the generation files and results.json go.")
   flags.DEFINE_list("gen_lengths", [str(n) for n in defaults.gen_lengths],
-                    "Generation lengths, each a multiple of --block_length.")
+                    "Generation lengths, each a multiple of the block length.")
   flags.DEFINE_integer("step", None, "Checkpoint step of a workdir (default: the latest).")
   flags.DEFINE_integer("steps", defaults.steps, "Denoising steps (0: gen_length / 2, d1's).")
-  flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size.")
+  flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size "
+                       "(default: the model family's official evaluation: 32 for LLaDA, d1's; "
+                       "the whole completion for Dream).")
   flags.DEFINE_float("temperature", defaults.temperature, "Sampling temperature (0: greedy).")
   flags.DEFINE_string("remasking", defaults.remasking,
                       "Remasking rule, any the model's sampler takes (LLaDA: low_confidence, "
                       "random, threshold; SDAR: low_confidence, low_confidence_static, "
-                      "low_confidence_dynamic).")
+                      "low_confidence_dynamic; Dream: origin, maskgit_plus, topk_margin, "
+                      "entropy). Default: the family's official (low_confidence; Dream: "
+                      "entropy).")
   flags.DEFINE_float("threshold", defaults.threshold, "tau of --remasking=threshold: reveal "
                      "every position more confident than tau, at least one per model call.")
   flags.DEFINE_float("cfg_scale", defaults.cfg_scale, "Classifier-free guidance (0: off).")

@@ -140,16 +140,15 @@ TPU_CHIP_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12
 
 
 def flops_shapes(model_cfg: Any) -> Any:
-  """A model config in the field names of ``models.llada.flops`` (LLaDA's: SDAR's Qwen3 shapes
-  renamed), with remat off: model FLOPs count no recomputation."""
-  import types  # pylint: disable=g-import-not-at-top
-  if hasattr(model_cfg, "d_model"):
-    return dataclasses.replace(model_cfg, remat=False)
-  return types.SimpleNamespace(
-      d_model=model_cfg.hidden_size, n_layers=model_cfg.num_hidden_layers,
-      n_heads=model_cfg.num_attention_heads, n_kv_heads=model_cfg.num_key_value_heads,
-      head_dim=model_cfg.head_dim, mlp_hidden_size=model_cfg.intermediate_size,
-      embedding_size=model_cfg.vocab_size, remat=False)
+  """A model config as its family declares it to the FLOP counter (``family.Family.shapes``,
+  the field names of ``models.llada.flops``), with remat off: model FLOPs count no
+  recomputation."""
+  from stabledrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
+  family = family_lib.of(model_cfg)
+  if family.shapes is None or family.step_flops is None:
+    raise ValueError(f"model family {family.name!r} declares no shapes / step_flops "
+                     "(models.family.Family): its FLOPs and plan cannot be counted")
+  return dataclasses.replace(family.shapes(model_cfg), remat=False)
 
 
 def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iterations: int,
@@ -157,21 +156,16 @@ def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iteratio
   """The analytic matmul FLOPs of one RL step, by part (``plan.rl_step_flops`` from a config).
 
   Counted with ``models.llada.flops`` (every matrix product at 2 FLOPs per multiply-add,
-  attention included; SDAR's Qwen3 blocks have the same products), for the P x G rollout rows of
-  L = prompt_length + gen_length positions:
+  attention included) over the family's shapes (``family.Family.shapes``), for the P x G
+  rollout rows of L = prompt_length + gen_length positions; the family's ``step_flops`` counts
+  its own sampler and likelihood passes:
 
     rollout   the sampler's model calls, ``rollout.steps`` of them (the dynamic rules, threshold
-              and low_confidence_dynamic, stop earlier: an upper bound for them). LLaDA exact
-              (cache none): every call a pass over L, the last block and the head on the current
-              block; prefix/dual: each block's first call such a pass, its later calls KV-cached
-              (dual: the block's positions; prefix: from the block on). SDAR: one prefill of the
-              prompt, then per block its steps on the block's positions against the cache, plus
-              one pass committing the block's keys and values.
+              and low_confidence_dynamic, stop earlier: an upper bound for them); LLaDA's and
+              SDAR's KV caches, Dream's full passes, as each family's docstring says.
     scoring   the forward-only likelihood passes before the updates (l_old when the objective
               takes it, l_ref when it has a KL term): K MC samples each, one set per step
-              (mu sets with a coupled ratio). LLaDA: K passes over L, the last block and the head
-              on the completion; SDAR: one staircase pass over (K + 1) x L positions, each query
-              seeing about L / 2 keys.
+              (mu sets with a coupled ratio).
     updates   mu = ``train.num_iterations`` gradient passes over the same K samples: forward +
               backward = 3 x the forward (``flops.TRAIN_MULTIPLIER``; no remat recomputation:
               model FLOPs, as MFU counts them).
@@ -179,7 +173,7 @@ def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iteratio
   Not counted: elementwise work, the optimizer, reward scoring on the host.
 
   Args:
-    model_cfg: the model's config (LLaDA's or SDAR's).
+    model_cfg: the model's config (any registered family's).
     rollout: the rollout settings (``config.rollout``: prompts, group size, lengths, steps,
       block length, cache).
     run: the run spec (``training/run_spec.RunSpec``: K samples, coupling, l_old, reference).
@@ -190,54 +184,18 @@ def rl_step_flops_of_run(model_cfg: Any, rollout: Any, run: Any, *, num_iteratio
     {"rollout", "scoring", "updates", "total"}: FLOPs per step, and "sampler_calls",
     "scoring_passes" (the sets of K), "num_samples" (K).
   """
-  from stabledrl_jax.models.llada import flops  # pylint: disable=g-import-not-at-top
-
+  from stabledrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
   shapes = flops_shapes(model_cfg)
-  sdar = not hasattr(model_cfg, "d_model")
-  r = rollout
-  rows, prompt, gen = r.num_prompts * r.group_size, r.prompt_length, r.gen_length
-  length = prompt + gen
-  cache = r.get("cache", "none") if cache is None else cache
-  steps = r.steps
+  cache = rollout.get("cache", "none") if cache is None else cache
   k = int(run.likelihood.num_samples)
   mu = int(num_iterations)
-  if sdar:
-    bs = model_cfg.block_size
-    blocks = -(-length // bs) - prompt // bs  # The blocks after the prompt's full ones.
-    per_block = max(steps // max(gen // bs, 1), 1)
-    rollout = flops.cached_forward_flops(shapes, rows, prompt, queries=prompt, logit_positions=0)
-    for j in range(blocks):
-      keys = (prompt // bs + j + 1) * bs
-      call = flops.cached_forward_flops(shapes, rows, keys, queries=bs, logit_positions=bs)
-      commit = flops.cached_forward_flops(shapes, rows, keys, queries=bs, logit_positions=0)
-      rollout += per_block * call + commit
-    positions = (k + 1) * length
-    blocks_fwd = shapes.n_layers * flops.block_flops(
-        shapes, keys=length // 2, queries=positions, projected=positions)
-    head = flops.head_flops(shapes, k * gen)
-    forward = rows * (blocks_fwd + head)
-    train = flops.TRAIN_MULTIPLIER * forward
-  else:
-    block = r.block_length
-    num_blocks = gen // block
-    per_block = steps // num_blocks
-    full = flops.forward_flops(shapes, rows, length, span=block)
-    if cache == "none":
-      rollout = steps * full
-    else:
-      rollout = 0
-      for b in range(num_blocks):
-        queries = block if cache == "dual" else length - (prompt + b * block)
-        cached = flops.cached_forward_flops(shapes, rows, length, queries=queries,
-                                            logit_positions=block)
-        rollout += full + (per_block - 1) * cached
-    forward = k * flops.forward_flops(shapes, rows, length, span=gen)
-    train = k * flops.train_flops(shapes, rows, length, span=gen)
+  sampled, forward, train = family_lib.of(model_cfg).step_flops(shapes, model_cfg, rollout, k,
+                                                                cache)
   sets = mu if run.coupled_ratio else 1
   passes = sets * (int(run.needs_old) + int(run.uses_reference))
-  out = dict(rollout=float(rollout), scoring=float(passes * forward), updates=float(mu * train))
+  out = dict(rollout=float(sampled), scoring=float(passes * forward), updates=float(mu * train))
   out["total"] = out["rollout"] + out["scoring"] + out["updates"]
-  out.update(sampler_calls=int(steps), scoring_passes=int(passes), num_samples=k)
+  out.update(sampler_calls=int(rollout.steps), scoring_passes=int(passes), num_samples=k)
   return out
 
 

@@ -476,16 +476,21 @@ def test_stress_masks_hide_tokens_after_the_completion():
     assert np.all(np.asarray(masks.noisy)[0][past])
 
 
-def test_espo_elbo_is_unbiased_over_the_whole_generation():
+@pytest.mark.parametrize("coupled", [True, False])
+def test_espo_elbo_is_unbiased_over_the_whole_generation(coupled):
   """ESPO scores every generated position, past the first EOS too: for a model whose logits
-  ignore the input its sum form is unbiased for the generation's log-likelihood."""
+  ignore the input its sum form is unbiased for the generation's log-likelihood, with each mask's
+  complement and without (ESPO's reduce_var false)."""
   tokens, prompt_mask, completion = make_batch()
   logits_fn, table = input_independent_model()
   generation = completion | estimators.past_completion(prompt_mask, completion)
   total, _ = exact_logp(table, tokens, generation)
+  rows = estimators.sample_masks(jax.random.key(0), prompt_mask, completion, method="espo_elbo",
+                                 num_samples=2, coupled=coupled).noisy.shape[0]
+  assert rows == (4 if coupled else 2)
   fn = jax.jit(jax.vmap(lambda key: estimators.estimate_logp(
       logits_fn, tokens, prompt_mask, completion, key, method="espo_elbo", mask_id=MASK_ID,
-      num_samples=2)))
+      num_samples=2, coupled=coupled)))
   values = np.asarray(fn(jax.random.split(jax.random.key(0), 3000)), np.float64)
   stderr = values.std(0) / np.sqrt(len(values))
   assert np.all(np.abs(values.mean(0) - total) < 4.5 * stderr + 1e-4), (values.mean(0), total)

@@ -19,6 +19,7 @@ from stabledrl_jax.models import hf_io, lora, peft_io
 from stabledrl_jax.training import checkpoint_source, trainer
 from stabledrl_jax.training import build, supervised
 
+import test_dream
 import test_hf_io
 import test_sdar
 from test_training import tiny_config, workdir_with_start
@@ -28,7 +29,7 @@ D1_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "g
 
 def _base(tmp_path, family):
   """A Hugging Face base checkpoint of random tensors (the family's own test layout)."""
-  module = test_hf_io if family == "llada" else test_sdar
+  module = {"llada": test_hf_io, "sdar": test_sdar, "dream": test_dream}[family]
   tensors = module.random_tensors(module.HF_CONFIG)
   return module.write_checkpoint(str(tmp_path / f"base_{family}"), tensors), tensors
 
@@ -182,7 +183,9 @@ def _torch_model(tensors, name_or_path=None):
         module.add_module(part, torch.nn.Module())
       module = getattr(module, part)
     value = torch.from_numpy(np.array(value, np.float32))
-    if leaf == "weight" and value.ndim == 2 and not module_name.endswith(("wte", "embed_tokens")):
+    if leaf == "bias" and isinstance(getattr(module, module_name, None), torch.nn.Linear):
+      getattr(module, module_name).bias = torch.nn.Parameter(value)  # Qwen2's q, k, v biases.
+    elif leaf == "weight" and value.ndim == 2 and not module_name.endswith(("wte", "embed_tokens")):
       linear = torch.nn.Linear(value.shape[1], value.shape[0], bias=False)
       linear.weight.data = value
       module.add_module(module_name, linear)
@@ -197,12 +200,12 @@ def _merged_by_peft(model):
   return {k: v.detach().numpy() for k, v in model.merge_and_unload().state_dict().items()}
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_peft_reads_our_adapter_and_merges_to_our_weights(tmp_path, family):
   peft = pytest.importorskip("peft")
   base, tensors = _base(tmp_path, family)
   model = _with_trained_adapters(models.from_pretrained(base), D1_TARGETS[:1] + D1_TARGETS[4:5]
-                                 + (("o_proj", "down_proj") if family == "sdar" else ()))
+                                 + (("o_proj", "down_proj") if family != "llada" else ()))
   peft_io.save_adapter(model, str(tmp_path / "adapter"), base=base)
   merged = _merged_by_peft(peft.PeftModel.from_pretrained(_torch_model(tensors),
                                                           str(tmp_path / "adapter")))
@@ -212,13 +215,21 @@ def test_peft_reads_our_adapter_and_merges_to_our_weights(tmp_path, family):
     np.testing.assert_allclose(merged[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
   for name in set(merged) - set(ours):  # Everything else is the base, untouched.
     np.testing.assert_array_equal(merged[name], tensors[name])
-  if family == "llada":  # peft's merged weights in the float64 forward give our logits.
-    tokens = _tokens(model)
+  _check_against_the_float64_forward(family, model, merged)
+
+
+def _check_against_the_float64_forward(family, model, merged):
+  """peft's merged weights in the family's float64 forward (LLaDA, Dream) give our logits."""
+  tokens = _tokens(model)
+  if family == "llada":
     want = test_hf_io.reference_logits(merged, test_hf_io.HF_CONFIG, np.asarray(tokens))
     assert test_hf_io.relative_error(model(tokens), want) < 1e-5
+  elif family == "dream":  # Its q, k, v biases are the base's (LoRA leaves them).
+    want = test_dream.official_logits(merged, test_dream.HF_CONFIG, np.asarray(tokens))
+    assert test_dream.relative_error(model(tokens), want) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_an_adapter_peft_writes_loads_into_our_model_with_its_logits(tmp_path, family):
   peft = pytest.importorskip("peft")
   base, tensors = _base(tmp_path, family)
@@ -239,10 +250,7 @@ def test_an_adapter_peft_writes_loads_into_our_model_with_its_logits(tmp_path, f
                           else set(D1_TARGETS))
   for name, value in _merged_hf(ours).items():
     np.testing.assert_allclose(value, merged[name], rtol=1e-5, atol=1e-6, err_msg=name)
-  if family == "llada":
-    tokens = _tokens(ours)
-    want = test_hf_io.reference_logits(merged, test_hf_io.HF_CONFIG, np.asarray(tokens))
-    assert test_hf_io.relative_error(ours(tokens), want) < 1e-5
+  _check_against_the_float64_forward(family, ours, merged)
 
 
 # ---------------------------------------------------------------------------

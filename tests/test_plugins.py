@@ -160,8 +160,8 @@ def toy_family():
   assert "toy" not in family_lib.names()
 
 
-def test_a_model_family_registered_in_a_test_file_trains_evaluates_and_saves(tmp_path,
-                                                                              toy_family):
+def test_a_model_family_registered_in_a_test_file_trains_evaluates_saves_and_plans(
+    tmp_path, toy_family):
   config = _quick(**{"model.family": "toy", "eval.every_steps": 1})
   specs.validate(config, num_devices=1)
   model_config = specs.model_config(config)
@@ -179,6 +179,16 @@ def test_a_model_family_registered_in_a_test_file_trains_evaluates_and_saves(tmp
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                   jax.tree.leaves(nnx.state(loaded, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The planner counts it from its record (shapes, step FLOPs, KV cache): LLaDA's shapes under
+  # another family give LLaDA's FLOPs, and its state's bytes abstractly, nothing compiled.
+  from stabledrl_jax import plan  # pylint: disable=g-import-not-at-top
+  as_llada = sweep.with_overrides(config, {"model.family": "llada"})
+  assert plan.rl_step_flops(config) == plan.rl_step_flops(as_llada)
+  assert plan.rl_step_flops(config)["total"] > 0
+  sampler = plan.state_bytes("sampler", config, jax.devices()[:1])
+  assert sampler["parameters_bytes"] == 4 * models.count_params(model_config)
+  assert sampler["kv_cache_bytes"] == 0  # rollout.cache none: the exact sampler.
+  assert plan.state_bytes("train", config, jax.devices()[:1])["optimizer_bytes"] > 0
   # The sweeps and config checks list it with the others.
   assert "toy" in family_lib.names()
   bad = sweep.with_overrides(config, {"model.overrides.block_size": 4})

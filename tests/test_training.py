@@ -101,7 +101,8 @@ def test_bad_config_values_name_the_field(field, value, match):
 
 @pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_scan_layers_reaches_the_model_config(family):
-  config = tiny_config(**{"model.scan_layers": True, "model.family": family})
+  config = tiny_config(**{"model.scan_layers": True, "model.family": family,
+                          "rollout.remasking": models.family.get(family).remasking[-1]})
   specs.validate(config, num_devices=1)
   tokenizer = data.make_tokenizer(config.tokenizer)
   assert specs.model_config(config, tokenizer).scan_layers

@@ -1,9 +1,12 @@
-"""Models: one folder per family, each registered in ``family`` (LLaDA, SDAR), and their Hugging
-Face checkpoint IO.
+"""Models: one folder per family, each registered in ``family`` (LLaDA, SDAR, Dream), and their
+Hugging Face checkpoint IO.
 
     config = get_config("tiny")                      # or "small", "llada_8b"
     model = LLaDA(config, rngs=nnx.Rngs(0))
     logits = model(tokens)                           # [B, L] -> [B, L, embedding_size]
+
+    dream = Dream(get_dream_config("tiny"), rngs=nnx.Rngs(0))
+    logits = dream.predictions(tokens)               # shifted: row i predicts token i
 
     sdar = SDAR(get_sdar_config("tiny"), rngs=nnx.Rngs(0))
     logits = sdar(tokens)                            # block-causal, [B, L, vocab_size]
@@ -16,10 +19,10 @@ Face checkpoint IO.
     from stabledrl_jax.models.llada.sampler import generate    # SDAR's: models.sdar.sampler
     tokens = generate(model, prompt, key=key, gen_length=256, steps=128, block_length=32)
 
-Modules: ``family`` (the family record and registry), ``llada/`` and ``sdar/`` (config, module,
-checkpoint names, sampler and the family's registration), ``sampler_lib`` (what the samplers
-share), ``layers`` (RMSNorm, rotary, SwiGLU MLP, attention), ``scan`` (scanned layers),
-``sharding`` (logical axis names and rules), ``hf_io`` (safetensors IO for every family).
+Modules: ``family`` (the family record and registry), ``llada/``, ``sdar/`` and ``dream/`` (config,
+module, checkpoint names, sampler and the family's registration), ``sampler_lib`` (what the samplers
+share), ``layers`` (RMSNorm, rotary, SwiGLU MLP, attention), ``scan`` (scanned layers), ``sharding``
+(logical axis names and rules), ``hf_io`` (safetensors IO for every family).
 
 Adding a family: a folder ``<name>/`` with those modules whose ``__init__.py`` registers a
 ``family.Family``, and one import below (docs/models.md, "Adding a model").
@@ -39,7 +42,7 @@ from stabledrl_jax.models.hf_io import (CheckpointError, from_pretrained, load_c
 from stabledrl_jax.models.llada import CONFIG_NAMES, LLaDA, ModelConfig, get_config
 from stabledrl_jax.models.sdar import (SDAR, SDAR_CONFIG_NAMES, KVCache, SDARConfig,
                                        get_sdar_config)
-from stabledrl_jax.models import dream  # noqa: F401  (registers the Dream family)
+from stabledrl_jax.models.dream import DREAM_CONFIG_NAMES, Dream, DreamConfig, get_dream_config
 from stabledrl_jax.models.sharding import (LOGICAL_AXIS_RULES, batch_sharding, init_sharded,
                                            param_shardings)
 
@@ -66,8 +69,9 @@ def init_model(config, *, seed: int = 0, mesh=None, rules=LOGICAL_AXIS_RULES):
 
 
 __all__ = [
-    "CONFIG_NAMES", "CheckpointError", "KVCache", "LLaDA", "LOGICAL_AXIS_RULES", "ModelConfig",
-    "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES", "batch_sharding", "count_params", "family",
-    "from_pretrained", "get_config", "get_sdar_config", "init_model", "load_config",
-    "param_bytes", "param_shardings", "save_pretrained",
+    "CONFIG_NAMES", "CheckpointError", "DREAM_CONFIG_NAMES", "Dream", "DreamConfig", "KVCache",
+    "LLaDA", "LOGICAL_AXIS_RULES", "ModelConfig", "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES",
+    "batch_sharding", "count_params", "family", "from_pretrained", "get_config",
+    "get_dream_config", "get_sdar_config", "init_model", "load_config", "param_bytes",
+    "param_shardings", "save_pretrained",
 ]

@@ -46,6 +46,22 @@ class Checkpoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shapes:
+  """What the FLOP counter (``models/llada/flops.py``'s formulas) and the planner read of a
+  model, in one spelling for every family: width D, layers, query and key/value heads, head
+  width, SwiGLU width F, logit width V; ``remat`` recomputes the blocks in the backward pass."""
+
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_hidden_size: int
+  embedding_size: int
+  remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
   """One model family.
 
@@ -76,6 +92,16 @@ class Family:
     aliases: field names of other families accepted in ``model.overrides`` -> this family's
       (``configs/quickstart.py`` sizes any family with LLaDA's names).
     vocab_fields: the config fields a character tokenizer's vocabulary size sets.
+    shapes: config -> its :class:`Shapes` (the FLOP counter's and the planner's view), or None
+      (the planner then refuses the family by name).
+    step_flops: (shapes, config, rollout, K, cache) -> (the sampler's FLOPs for the rollout
+      rows, one forward likelihood pass of K samples over them, one training pass): the parts
+      of ``profiling.rl_step_flops_of_run``, by the family's own sampler and estimator.
+    holds_kv_cache: cache -> whether its sampler keeps a KV cache of every position (the
+      planner's ``kv_cache_bytes``) with ``rollout.cache`` = cache.
+    eval_decoding: gen_length -> the ``decoding.Decoding`` fields its official evaluation sets
+      where ``stabledrl_jax.evaluate``'s command line names none (block_length, remasking,
+      family_options); {}: d1's protocol (blocks of 32, low-confidence remasking).
   """
 
   name: str
@@ -96,6 +122,10 @@ class Family:
   stop_ids: Callable[[Any], tuple[int, ...]] = lambda config: (config.eos_token_id,)
   aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
   vocab_fields: tuple[str, ...] = ("vocab_size",)
+  shapes: Callable[[Any], Shapes] | None = None
+  step_flops: Callable[..., tuple[float, float, float]] | None = None
+  holds_kv_cache: Callable[[str], bool] = lambda cache: cache != "none"
+  eval_decoding: Callable[[int], Mapping[str, Any]] = lambda gen_length: {}
 
   @property
   def fields(self) -> tuple[str, ...]:
@@ -182,6 +212,18 @@ def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, d
   family = of(model)
   return family.generate(model, prompt_tokens, prompt_mask, key,
                          family.sampling(decoding, model.config))
+
+
+def family_options(decoding: Any, family_name: str, allowed: Mapping[str, Any]
+                   ) -> dict[str, Any]:
+  """``decoding.family_options`` over the defaults ``allowed`` ({name: default}) of a family's
+  sampler; ValueError (one line) naming ``rollout.family_options.<name>`` for a name it lacks."""
+  given = dict(getattr(decoding, "family_options", ()))
+  unknown = sorted(set(given) - set(allowed))
+  if unknown:
+    takes = f"takes {sorted(allowed)}" if allowed else "takes none"
+    raise ValueError(f"rollout.family_options.{unknown[0]}: {family_name}'s sampler {takes}")
+  return {**allowed, **given}
 
 
 def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ def state_bytes(what: str, config, devices) -> dict[str, int]:
   data x fsdp); from the abstract inputs, nothing compiled."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import build, specs  # pylint: disable=g-import-not-at-top
   if what == "train":
     _, state, batch, _ = build.abstract_update(config, devices)
@@ -35,7 +36,7 @@ def state_bytes(what: str, config, devices) -> dict[str, int]:
   ways = mesh_lib.data_parallel_size(mesh)
   if what == "sampler":
     rows = (r.get("microbatch_groups", 0) or r.num_prompts) * r.group_size
-    cached = r.cache != "none" or not hasattr(model_cfg, "d_model")  # SDAR's always caches.
+    cached = family_lib.of(model_cfg).holds_kv_cache(r.get("cache", "none"))
   else:
     rows, cached = -(-config.eval.batch_size // ways) * ways, False
   shapes = profiling.flops_shapes(model_cfg)

@@ -80,7 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
   # and ignores it. remasking: llada: low_confidence | random (`steps` on an even schedule) |
   # threshold (every position above `threshold`, at least one per call; `steps` unused);
   # sdar: low_confidence (= static) | low_confidence_static | low_confidence_dynamic (every
-  # position above `threshold`, or the static count if fewer pass).
+  # position above `threshold`, or the static count if fewer pass); dream: its generate's alg,
+  # origin | maskgit_plus | topk_margin | entropy, over the whole completion (block_length =
+  # gen_length).
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
       block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9,
@@ -90,7 +92,11 @@ def base_config() -> ml_collections.ConfigDict:
       cache="none",
       # Groups per sampler call (decoding.generate_rows; chunk c's noise fold_in(key, c)), so
       # that a slice of the rollout batch fits; 0: all at once.
-      microbatch_groups=0))
+      microbatch_groups=0,
+      # Options of the family's own sampler beyond the common ones (Dream: top_p, top_k,
+      # alg_temp, eps; models/dream/sampler.py); a family refuses a name it does not take. A
+      # config lists the names it sets, so that --config.rollout.family_options.<name> works.
+      family_options=ml_collections.ConfigDict()))
 
   # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/objectives/),
   # defaulting to its official code's (docs/algorithms.md lists them with their sources). Its
@@ -139,7 +145,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Seconds a SIGTERM waits for the step boundary and its checkpoint before the command
       # ends at once (one process; a preemption's notice is about 30 s; 0: wait however long).
       stop_grace_s=60.0))
-  c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0))  # 0: gen/2
+  # steps 0: gen/2. family_options: the evaluation's own values of rollout.family_options.
+  c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0,
+                                          family_options=ml_collections.ConfigDict()))
   # What process 0 logs besides metrics.jsonl and TensorBoard (docs/training.md, "Metrics").
   c.logging = ml_collections.ConfigDict(dict(
       # A few rollouts (prompt, completion, reward) every N RL steps in samples.jsonl and as

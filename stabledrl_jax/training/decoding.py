@@ -48,6 +48,8 @@ class Decoding:
       text up to the first stop token is the same either way).
     cache: block-wise KV caching of LLaDA's sampler ("none": exact, "prefix", "dual";
       ``models/llada/sampler.py``); SDAR's sampler always caches its finished blocks, exactly.
+    family_options: (name, value) pairs of the family's own sampler options
+      (``rollout.family_options``: Dream's top_p, top_k, alg_temp, eps), sorted by name.
   """
 
   gen_length: int
@@ -59,8 +61,10 @@ class Decoding:
   cfg_scale: float = 0.0
   stop_at_eos: bool = False
   cache: str = "none"
+  family_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "family_options", tuple(sorted(dict(self.family_options).items())))
     if not self.steps:
       object.__setattr__(self, "steps", default_steps(self.gen_length, self.block_length))
 
@@ -72,9 +76,13 @@ class Decoding:
   @classmethod
   def of_eval(cls, config: Any, **overrides) -> "Decoding":
     """The trainer's held-out evaluation decode: ``config.rollout``'s sampler, greedy, at
-    ``eval.steps``, exact (no KV cache) unless ``overrides`` say otherwise."""
+    ``eval.steps``, exact (no KV cache) unless ``overrides`` say otherwise; its family options
+    are the rollout's with ``eval.family_options`` over them."""
+    options = {**dict(config.rollout.get("family_options", {})),
+               **dict(config.eval.get("family_options", {}))}
     return cls.of_rollout(config.rollout, temperature=0.0, steps=config.eval.steps,
-                          **{"cache": "none", **overrides})
+                          **{"cache": "none", "family_options": tuple(options.items()),
+                             **overrides})
 
   @classmethod
   def of_rollout(cls, rollout: Any, *, temperature: float, steps: int = 0,
@@ -82,7 +90,8 @@ class Decoding:
     """The rollout config's sampler settings (``config.rollout``), at ``temperature``."""
     fields = dict(gen_length=rollout.gen_length, steps=steps, block_length=rollout.block_length,
                   temperature=temperature, remasking=rollout.remasking,
-                  threshold=rollout.threshold, cache=rollout.get("cache", "none"))
+                  threshold=rollout.threshold, cache=rollout.get("cache", "none"),
+                  family_options=tuple(dict(rollout.get("family_options", {})).items()))
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**fields)
 
@@ -99,6 +108,9 @@ class Decoding:
     """The settings a generation file records; tau only where the remasking rule uses it."""
     out = dataclasses.asdict(self)
     del out["stop_at_eos"]
+    out["family_options"] = dict(self.family_options)
+    if not out["family_options"]:  # As files written before family options existed.
+      del out["family_options"]
     if "threshold" not in self.remasking and "dynamic" not in self.remasking:
       del out["threshold"]
     if self.cache == "none":  # As files written before caching existed.

@@ -393,11 +393,17 @@ def _validate_rollout(config: ml_collections.ConfigDict, family: family_lib.Fami
     _require(r.steps <= r.gen_length, "rollout.steps",
              f"{r.steps} exceeds rollout.gen_length={r.gen_length}: at most one denoising step "
              "per completion token (every step reveals at least one)")
-  _validate_eval_steps(config, named)
   _require(r.remasking in family.remasking, "rollout.remasking",
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(r.get("cache", "none") in family.caches, "rollout.cache",
            f"{r.get('cache')!r} is not one of {family.caches} (model.family={family.name!r})")
+  if named is not None:  # The family's sampler takes the rollout's decoding, its options too.
+    try:
+      decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps).check(named)
+    except ValueError as err:
+      where = "config." if str(err).startswith("rollout.") else "config.rollout: "
+      raise ValueError(f"{where}{err}") from None
+  _validate_eval_steps(config, named)
 
 
 def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
@@ -414,6 +420,8 @@ def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
   try:
     settings.check(named)
   except ValueError as err:
+    if str(err).startswith("rollout.family_options."):  # The rollout's passed: eval's own.
+      raise ValueError(f"config.eval.{str(err)[len('rollout.'):]}") from None
     raise ValueError(f"config.eval.steps: the evaluation's decoding at {settings.steps} steps "
                      f"(0: gen_length / 2): {err}") from None
 

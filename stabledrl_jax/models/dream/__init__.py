@@ -21,6 +21,7 @@ from stabledrl_jax.models import family
 from stabledrl_jax.models.dream import checkpoint, sampler, tokenizer
 from stabledrl_jax.models.dream.config import DREAM_CONFIG_NAMES, DreamConfig, get_dream_config
 from stabledrl_jax.models.dream.model import Dream
+from stabledrl_jax.models.llada import flops
 
 Array = jax.Array
 
@@ -47,8 +48,9 @@ def likelihood_fn(model: Dream, attention_mask: Array) -> Callable[..., Array]:
 
 
 def sampling(decoding: Any, config: DreamConfig) -> sampler.Sampling:
-  """``family.Family.sampling``: the common options in Dream's generate; ``remasking`` is the
-  official ``alg``. Raises ValueError (one line) for an option it does not take."""
+  """``family.Family.sampling``: the common options in Dream's generate (``remasking`` is the
+  official ``alg``), and its own ``rollout.family_options``: top_p, top_k, alg_temp, eps.
+  Raises ValueError (one line) for an option it does not take."""
   del config
   if decoding.remasking not in sampler.ALGS:
     raise ValueError(f"remasking {decoding.remasking!r} is not one of Dream's generate algs "
@@ -63,8 +65,9 @@ def sampling(decoding: Any, config: DreamConfig) -> sampler.Sampling:
     raise ValueError(f"block_length={decoding.block_length}: Dream's sampler decodes the whole "
                      f"completion at once (no semi-autoregressive blocks); set block_length to "
                      f"gen_length={decoding.gen_length}")
+  options = family.family_options(decoding, "Dream", sampler.OPTIONS)
   return sampler.Sampling(gen_length=decoding.gen_length, steps=decoding.steps,
-                          alg=decoding.remasking, temperature=decoding.temperature)
+                          alg=decoding.remasking, temperature=decoding.temperature, **options)
 
 
 def generate(model: Dream, prompt_tokens: Array, prompt_mask: Array, key: Array,
@@ -84,6 +87,36 @@ def check_rollout(rollout: Any, config: DreamConfig) -> None:
                      "completion at once (no semi-autoregressive blocks)")
 
 
+def shapes(config: DreamConfig) -> family.Shapes:
+  """``family.Family.shapes``: the Qwen2 shapes in the FLOP counter's names."""
+  return family.Shapes(
+      d_model=config.hidden_size, n_layers=config.num_hidden_layers,
+      n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+      head_dim=config.head_dim, mlp_hidden_size=config.intermediate_size,
+      embedding_size=config.vocab_size, remat=config.remat)
+
+
+def step_flops(shapes_: family.Shapes, config: DreamConfig, rollout: Any, num_samples: int,
+               cache: str) -> tuple[float, float, float]:
+  """``family.Family.step_flops``: each of the ``rollout.steps`` calls is a pass over the whole
+  sequence, the last layer and the head on the completion's G rows (``predictions(suffix=G)``);
+  the likelihoods are K such passes (no cache: ``cache`` is always 'none')."""
+  del config, cache
+  r = rollout
+  rows, length = r.num_prompts * r.group_size, r.prompt_length + r.gen_length
+  call = flops.forward_flops(shapes_, rows, length, span=r.gen_length)
+  return (float(r.steps * call), float(num_samples * call),
+          float(num_samples * flops.train_flops(shapes_, rows, length, span=r.gen_length)))
+
+
+def eval_decoding(gen_length: int) -> dict[str, Any]:
+  """``family.Family.eval_decoding``: ESPO's Dream evaluation (ML-GSAI/ESPO@b5f2dac
+  eval/eval.py:83-93): the whole completion at once, alg 'entropy', alg_temp 0, top_p 1 at
+  temperature 0 (d1's gen_length / 2 steps, eval.py:205, as the common default)."""
+  return dict(block_length=gen_length, remasking="entropy",
+              family_options=(("alg_temp", 0.0), ("top_p", 1.0)))
+
+
 FAMILY = family.register(family.Family(
     name="dream", config_cls=DreamConfig, model_cls=Dream, config_names=DREAM_CONFIG_NAMES,
     get_config=get_dream_config,
@@ -97,6 +130,8 @@ FAMILY = family.register(family.Family(
     likelihood=estimators.FULL_ATTENTION, likelihood_fn=likelihood_fn, sampling=sampling,
     generate=generate, remasking=sampler.ALGS, check_rollout=check_rollout,
     # The official code ends a completion at its first EOS (<|endoftext|>).
-    stop_ids=lambda config: (config.eos_token_id,), aliases=ALIASES))
+    stop_ids=lambda config: (config.eos_token_id,), aliases=ALIASES,
+    shapes=shapes, step_flops=step_flops, holds_kv_cache=lambda cache: False,
+    eval_decoding=eval_decoding))
 
 __all__ = ["DREAM_CONFIG_NAMES", "Dream", "DreamConfig", "FAMILY", "get_dream_config"]

@@ -1,7 +1,8 @@
 """Dream: a Qwen2-architecture transformer with bidirectional attention and shifted predictions.
 
     h_0 = embed_tokens[tokens]
-    h   = h + o_proj(Attention(q_proj(n) + b_q, k_proj(n) + b_k, v_proj(n) + b_v)), n = input_layernorm(h)
+    n   = input_layernorm(h)
+    h   = h + o_proj(Attention(q_proj(n) + b_q, k_proj(n) + b_k, v_proj(n) + b_v))
     h   = h + mlp(post_attention_layernorm(h))          SwiGLU: down(silu(gate(x)) * up(x))
     logits = lm_head(norm(h))                           untied head, width vocab_size
 

@@ -41,6 +41,8 @@ from stabledrl_jax.models import sampler_lib
 Array = jax.Array
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+# The options beyond the common ones (``rollout.family_options``), at the official defaults.
+OPTIONS = {"top_p": None, "top_k": None, "alg_temp": None, "eps": 1e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +77,22 @@ class Sampling:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"Dream's sampler: {name} must be a positive integer, got {value!r}")
-    if not 0 < self.eps < 1:
-      raise ValueError(f"Dream's sampler: eps must lie in (0, 1), got {self.eps}")
-    if self.temperature < 0 or (self.alg_temp is not None and self.alg_temp < 0):
-      raise ValueError(f"Dream's sampler: temperature ({self.temperature}) and alg_temp "
-                       f"({self.alg_temp}) must be >= 0")
-    if self.top_p is not None and not self.top_p > 0:
-      raise ValueError(f"Dream's sampler: top_p must be > 0, got {self.top_p}")
-    if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-      raise ValueError(f"Dream's sampler: top_k must be a positive integer, got {self.top_k!r}")
+    if not isinstance(self.eps, (int, float)) or not 0 < self.eps < 1:
+      raise ValueError(f"rollout.family_options.eps: Dream's schedule ends at eps in (0, 1), "
+                       f"got {self.eps!r}")
+    if self.temperature < 0:
+      raise ValueError(f"Dream's sampler: temperature must be >= 0, got {self.temperature}")
+    if self.alg_temp is not None and not (isinstance(self.alg_temp, (int, float))
+                                          and self.alg_temp >= 0):
+      raise ValueError(f"rollout.family_options.alg_temp: must be >= 0 (or None), got "
+                       f"{self.alg_temp!r}")
+    if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and self.top_p > 0):
+      raise ValueError(f"rollout.family_options.top_p: must be > 0 (or None), got "
+                       f"{self.top_p!r}")
+    if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                   or self.top_k < 1):
+      raise ValueError(f"rollout.family_options.top_k: must be a positive integer (or None), "
+                       f"got {self.top_k!r}")
 
 
 def schedule(steps: int, eps: float) -> Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from stabledrl_jax import estimators, tokenizers
 from stabledrl_jax.models import family
-from stabledrl_jax.models.llada import checkpoint, sampler
+from stabledrl_jax.models.llada import checkpoint, flops, sampler
 from stabledrl_jax.models.llada.config import CONFIG_NAMES, ModelConfig, get_config
 from stabledrl_jax.models.llada.model import LLaDA
 
@@ -42,8 +42,10 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
 
 
 def sampling(decoding: Any, config: ModelConfig) -> sampler.Sampling:
-  """``family.Family.sampling``: LLaDA's sampler takes every common decoding option."""
+  """``family.Family.sampling``: LLaDA's sampler takes every common decoding option (and no
+  family options)."""
   del config
+  family.family_options(decoding, "LLaDA", {})
   return sampler.Sampling(
       gen_length=decoding.gen_length, steps=decoding.steps, block_length=decoding.block_length,
       temperature=decoding.temperature, remasking=decoding.remasking,
@@ -87,6 +89,14 @@ QWEN_NAMES = {
     "max_position_embeddings": "max_sequence_length",
 }
 
+def shapes(config: ModelConfig) -> family.Shapes:
+  """``family.Family.shapes``: LLaDA's own field names."""
+  return family.Shapes(d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads,
+                       n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                       mlp_hidden_size=config.mlp_hidden_size,
+                       embedding_size=config.embedding_size, remat=config.remat)
+
+
 FAMILY = family.register(family.Family(
     name="llada", config_cls=ModelConfig, model_cls=LLaDA, config_names=CONFIG_NAMES,
     get_config=get_config,
@@ -100,6 +110,7 @@ FAMILY = family.register(family.Family(
     caches=sampler.CACHES,
     # The official code ends a completion at its first EOS (126081) only.
     stop_ids=lambda config: (config.eos_token_id,),
-    aliases=QWEN_NAMES, vocab_fields=("vocab_size", "embedding_size")))
+    aliases=QWEN_NAMES, vocab_fields=("vocab_size", "embedding_size"),
+    shapes=shapes, step_flops=flops.rl_step_parts))
 
 __all__ = ["CONFIG_NAMES", "FAMILY", "LLaDA", "ModelConfig", "get_config"]

@@ -101,3 +101,34 @@ def matmul_params(config: ModelConfig) -> int:
   kv_width = config.n_kv_heads * config.head_dim
   per_block = 2 * d * q_width + 2 * d * kv_width + 3 * d * f
   return config.n_layers * per_block + d * config.embedding_size
+
+
+def rl_step_parts(shapes, config, rollout, num_samples: int, cache: str
+                  ) -> tuple[float, float, float]:
+  """``family.Family.step_flops`` of LLaDA (and of any full-attention family whose sampler
+  decodes in blocks as LLaDA's): the rollout rows' sampler FLOPs, one forward likelihood pass of
+  K = ``num_samples`` samples and one training pass (``profiling.rl_step_flops_of_run``).
+
+  Exact (cache none): every call a pass over L, the last block and the head on the current
+  block; prefix/dual: each block's first call such a pass, its later calls KV-cached (dual: the
+  block's positions; prefix: from the block on). Likelihoods: K passes over L, the last block
+  and the head on the completion."""
+  del config
+  r = rollout
+  rows, prompt, gen = r.num_prompts * r.group_size, r.prompt_length, r.gen_length
+  length = prompt + gen
+  block = r.block_length
+  num_blocks = gen // block
+  per_block = r.steps // num_blocks
+  full = forward_flops(shapes, rows, length, span=block)
+  if cache == "none":
+    sampled = r.steps * full
+  else:
+    sampled = 0
+    for b in range(num_blocks):
+      queries = block if cache == "dual" else length - (prompt + b * block)
+      cached = cached_forward_flops(shapes, rows, length, queries=queries, logit_positions=block)
+      sampled += full + (per_block - 1) * cached
+  forward = num_samples * forward_flops(shapes, rows, length, span=gen)
+  train = num_samples * train_flops(shapes, rows, length, span=gen)
+  return float(sampled), float(forward), float(train)

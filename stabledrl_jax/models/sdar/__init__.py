@@ -16,6 +16,7 @@ import jax
 from stabledrl_jax import block_estimators, tokenizers
 from stabledrl_jax.models import family
 from stabledrl_jax.models.llada import QWEN_NAMES
+from stabledrl_jax.models.llada import flops
 from stabledrl_jax.models.sdar import checkpoint, sampler
 from stabledrl_jax.models.sdar.config import SDAR_CONFIG_NAMES, SDARConfig, get_sdar_config
 from stabledrl_jax.models.sdar.model import SDAR, KVCache
@@ -45,6 +46,7 @@ def sampling(decoding: Any, config: SDARConfig) -> sampler.Sampling:
   apply) and stops finished rows on its own; ``steps`` counts denoising steps over the whole
   completion, as for LLaDA, and its sampler takes them per block (at most: the dynamic rule and
   finished rows stop early)."""
+  family.family_options(decoding, "SDAR", {})
   if decoding.cache != "none":
     raise ValueError(f"cache={decoding.cache!r}: SDAR's sampler always keeps the keys and values "
                      "of its finished blocks (exactly: attention is block-causal); there is no "
@@ -97,6 +99,40 @@ def check_rollout(rollout: Any, config: SDARConfig) -> None:
                      f"completion blocks ({num_blocks} of the model's block_size={size})")
 
 
+def shapes(config: SDARConfig) -> family.Shapes:
+  """``family.Family.shapes``: the Qwen3 shapes in the FLOP counter's names."""
+  return family.Shapes(
+      d_model=config.hidden_size, n_layers=config.num_hidden_layers,
+      n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+      head_dim=config.head_dim, mlp_hidden_size=config.intermediate_size,
+      embedding_size=config.vocab_size, remat=config.remat)
+
+
+def step_flops(shapes_: family.Shapes, config: SDARConfig, rollout: Any, num_samples: int,
+               cache: str) -> tuple[float, float, float]:
+  """``family.Family.step_flops``: one prefill of the prompt, then per block its steps on the
+  block's positions against the cache plus one pass committing the block's keys and values;
+  likelihoods are one staircase pass over (K + 1) x L positions, each query seeing about L / 2
+  keys, the head on the K x G completion positions."""
+  del cache  # Always the exact cache of finished blocks.
+  r = rollout
+  rows, prompt, gen = r.num_prompts * r.group_size, r.prompt_length, r.gen_length
+  length, bs = prompt + gen, config.block_size
+  blocks = -(-length // bs) - prompt // bs  # The blocks after the prompt's full ones.
+  per_block = max(r.steps // max(gen // bs, 1), 1)
+  sampled = flops.cached_forward_flops(shapes_, rows, prompt, queries=prompt, logit_positions=0)
+  for j in range(blocks):
+    keys = (prompt // bs + j + 1) * bs
+    call = flops.cached_forward_flops(shapes_, rows, keys, queries=bs, logit_positions=bs)
+    commit = flops.cached_forward_flops(shapes_, rows, keys, queries=bs, logit_positions=0)
+    sampled += per_block * call + commit
+  positions = (num_samples + 1) * length
+  blocks_fwd = shapes_.n_layers * flops.block_flops(shapes_, keys=length // 2, queries=positions,
+                                                    projected=positions)
+  forward = rows * (blocks_fwd + flops.head_flops(shapes_, num_samples * gen))
+  return float(sampled), float(forward), float(flops.TRAIN_MULTIPLIER * forward)
+
+
 FAMILY = family.register(family.Family(
     name="sdar", config_cls=SDARConfig, model_cls=SDAR, config_names=SDAR_CONFIG_NAMES,
     get_config=get_sdar_config,
@@ -113,6 +149,7 @@ FAMILY = family.register(family.Family(
     generate=generate,
     remasking=tuple(REMASKING), check_rollout=check_rollout,
     block_size=lambda config: config.block_size, stop_ids=lambda config: config.stop_token_ids,
-    aliases={llada: qwen for qwen, llada in QWEN_NAMES.items()}))
+    aliases={llada: qwen for qwen, llada in QWEN_NAMES.items()},
+    shapes=shapes, step_flops=step_flops, holds_kv_cache=lambda cache: True))
 
 __all__ = ["FAMILY", "KVCache", "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES", "get_sdar_config"]
