@@ -161,7 +161,9 @@ def llada_chat_prompt(user_message: str, *, assistant_prefix: str = "") -> str:
     assistant_prefix: text the assistant turn starts with (d1's evaluation prompts end with
       "<reasoning>").
   """
-  return (f"{LLADA_BOS}{LLADA_START_HEADER}user{LLADA_END_HEADER}\n\n{user_message}{LLADA_EOT}"
+  # The template trims the message (``message['content'] | trim``: Python's str.strip).
+  return (f"{LLADA_BOS}{LLADA_START_HEADER}user{LLADA_END_HEADER}\n\n{user_message.strip()}"
+          f"{LLADA_EOT}"
           f"{LLADA_START_HEADER}assistant{LLADA_END_HEADER}\n\n{assistant_prefix}")
 
 

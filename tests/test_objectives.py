@@ -234,6 +234,89 @@ def test_gradient_stays_in_convex_hull(seed, groups, g, log_scale, symmetric):
   assert np.linalg.norm(grad) <= bound * (1 + 1e-5)
 
 
+def np_advantage_sums(weights, adv, g):
+  """Per group |sum_j w_j A_j| in float64."""
+  return np.abs((np.asarray(weights, np.float64) * np.asarray(adv, np.float64)).reshape(-1, g)
+                .sum(1))
+
+
+def test_the_weighted_advantage_sums_match_numpy_and_vanish_for_uniform_weights():
+  logp, log_ratio, adv, _, g = random_batch(6)
+  _, metrics = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv), g)
+  sums = np_advantage_sums(np_snis(log_ratio, g), adv, g)
+  np.testing.assert_allclose(metrics["weights/adv_sum_abs_mean"], sums.mean(), rtol=1e-5)
+  np.testing.assert_allclose(metrics["weights/adv_sum_abs_max"], sums.max(), rtol=1e-5)
+  assert sums.max() > 1e-3  # Noisy ratios: the groups are pushed.
+  # On-policy (every ratio 1) the weights are uniform: S_g is the group's mean advantage, 0.
+  centred = adv - adv.reshape(-1, g).mean(1).repeat(g)
+  _, metrics = sdrl.stabledrl_loss(jnp.asarray(logp), jnp.zeros_like(jnp.asarray(log_ratio)),
+                                   jnp.asarray(centred), g)
+  assert float(metrics["weights/adv_sum_abs_max"]) < 1e-6
+  # GRPO's PPO coefficient over G, and zero where no weights exist (SPG).
+  inputs = objectives.base.ObjectiveInputs(
+      logp=jnp.asarray(log_ratio), old_logp=jnp.zeros(len(log_ratio)), advantages=jnp.asarray(adv),
+      lengths=jnp.full(len(adv), 10.0), ref_logp=jnp.zeros(len(adv)))
+  grpo = objectives.get_objective("grpo")
+  _, metrics = grpo.loss(inputs, grpo.make_hparams({"level": "sequence", "beta": 0.0}), g)
+  ratio = np.exp(log_ratio.astype(np.float64))
+  active = ~(np.clip(ratio, 0.5, 1.5) * adv < ratio * adv)
+  sums = np_advantage_sums(np.where(active, ratio, 0.0) / g, adv, g)
+  np.testing.assert_allclose(metrics["weights/adv_sum_abs_mean"], sums.mean(), rtol=1e-4)
+  spg = objectives.get_objective("spg")  # No importance weights: 0 by construction.
+  _, metrics = spg.loss(inputs, spg.make_hparams({"surrogate": "elbo"}), g)
+  assert float(metrics["weights/adv_sum_abs_mean"]) == float(
+      metrics["weights/adv_sum_abs_max"]) == 0.0
+
+
+@hypothesis.settings(deadline=None, max_examples=40)
+@hypothesis.given(seed=st.integers(0, 2**31 - 1), groups=st.integers(1, 3),
+                  g=st.integers(2, 6), log_scale=st.sampled_from([1.0, 30.0, 1e4]),
+                  symmetric=st.booleans())
+def test_snis_centred_advantages_keep_the_update_bounded(seed, groups, g, log_scale, symmetric):
+  """advantage_centering='snis': A'_j = A_j - sum_k w_k A_k, so sum_j w_j A'_j = 0 per group,
+  |A'_j| <= 2 max_k |A_k|, the gradient is -(1/P) w_j A'_j per sample (a convex combination of
+  the centred terms A'_j grad s_j) and ||grad J|| <= 2 max_k |A_k| max_j ||grad s_j||; all
+  against a float64 re-derivation."""
+  rng = np.random.default_rng(seed)
+  n, dim = groups * g, 5
+  features = rng.normal(size=(n, dim)).astype(np.float32)
+  adv = rng.normal(size=n).astype(np.float32)
+  log_ratio = (rng.normal(size=n) * log_scale).astype(np.float32)
+  lo, hi = (0.8, 1.2) if symmetric else (0.0, 5.0)
+  w = np_snis(log_ratio, g, lo, hi)
+  centred = (adv.astype(np.float64).reshape(groups, g)
+             - (w * adv).reshape(groups, g).sum(1, keepdims=True)).reshape(-1)
+  got = np.asarray(sdrl.center_advantages(jnp.asarray(w, jnp.float32), jnp.asarray(adv), g))
+  np.testing.assert_allclose(got, centred, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose((w * centred).reshape(groups, g).sum(1), 0.0, atol=1e-6)
+  assert np.all(np.abs(centred) <= 2 * np.abs(adv).max() * (1 + 1e-6))
+
+  def loss_fn(s):
+    return sdrl.stabledrl_loss(s, jnp.asarray(log_ratio), jnp.asarray(adv), g, min_ratio=lo,
+                               max_ratio=hi, advantage_centering="snis")[0]
+
+  coefficients = np.asarray(jax.grad(loss_fn)(jnp.asarray(features @ np.zeros(dim, np.float32))))
+  np.testing.assert_allclose(coefficients, -w * centred / groups, rtol=1e-4, atol=1e-7)
+  grad = np.asarray(jax.grad(lambda theta: loss_fn(jnp.asarray(features) @ theta))(
+      jnp.zeros(dim)), np.float64)
+  assert np.all(np.isfinite(grad))
+  bound = 2 * np.abs(adv).max() * np.linalg.norm(features, axis=1).max()
+  assert np.linalg.norm(grad) <= bound * (1 + 1e-5)
+
+
+def test_centring_is_off_by_default_and_needs_group_scope():
+  logp, log_ratio, adv, _, g = random_batch(7)
+  args = (jnp.asarray(logp), jnp.asarray(log_ratio), jnp.asarray(adv), g)
+  assert objectives.get_objective("stabledrl").make_hparams({}).advantage_centering == "none"
+  plain = sdrl.stabledrl_loss(*args)[0]
+  np.testing.assert_allclose(plain, np_stabledrl(logp, log_ratio, adv, g), rtol=1e-5)
+  assert abs(float(sdrl.stabledrl_loss(*args, advantage_centering="snis")[0]) - float(plain)) > 0
+  with pytest.raises(ValueError, match="normalize_over='group'"):
+    sdrl.stabledrl_loss(*args, normalize_over="batch", advantage_centering="snis")
+  with pytest.raises(ValueError, match="advantage_centering"):
+    objectives.get_objective("stabledrl").make_hparams({"advantage_centering": "mean"})
+
+
 def test_grpo_gradient_grows_without_bound_for_negative_advantage():
   """The pathology: for A < 0 and rho > 1 + eps, GRPO's gradient is rho * |A| / N."""
   adv = jnp.array([-1.0, 1.0])

@@ -99,6 +99,9 @@ def test_llada_chat_template_string():
   prompt = tokenizers.llada_chat_prompt("What is 2+2?", assistant_prefix="<reasoning>")
   assert prompt == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?"
                     "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n<reasoning>")
+  # LLaDA-8B-Instruct's template trims the message (``message['content'] | trim``).
+  assert tokenizers.llada_chat_prompt(" \n What is 2+2?\n\n", assistant_prefix="<reasoning>") == (
+      prompt)
 
 
 def test_llada_chat_encoding(llada):

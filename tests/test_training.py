@@ -970,3 +970,26 @@ def test_kl_to_start_is_zero_at_the_start_and_measured_against_it_after_a_resume
   shutil.rmtree(cut / supervised.SFT_DIR)
   with pytest.raises(ValueError, match="supervised start is gone"):
     trainer.train(sweep.with_overrides(config, {"train.num_steps": 4}), str(cut))
+
+
+def test_prompts_longer_than_prompt_length_are_skipped_and_counted_not_fatal(tmp_path, caplog):
+  """A data file with a few prompts over ``rollout.prompt_length`` (the official trainers have no
+  cap): they are skipped, their count logged naming the setting, and the run trains; a file of
+  which none fits is a one-line config error."""
+  rows = [{"input": "3,5,7", "output": "15"}] * 12 + [
+      {"input": ",".join(str(i) for i in range(40)), "output": "99"}] * 3
+  path = tmp_path / "countdown.jsonl"
+  path.write_text("\n".join(json.dumps(row) for row in rows))
+  overrides = {"task.name": "countdown", "data.train": str(path), "data.eval": str(path),
+               "data.train_size": 0, "data.eval_size": 0, "sft.num_steps": 0,
+               "train.num_steps": 1, "train.num_iterations": 1, "eval.every_steps": 1}
+  with caplog.at_level("WARNING"):
+    history = trainer.train(tiny_config(**overrides), str(tmp_path / "run"))
+  assert len(history) == 1 and np.isfinite(history[0]["loss"])
+  said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+  assert any("config.data.train: skipped 3 of 15 prompts longer than "
+             "config.rollout.prompt_length=32" in message for message in said), said
+  assert any("config.data.eval: skipped 3 of 15" in message for message in said), said
+  path.write_text("\n".join(json.dumps(row) for row in rows[-3:]))
+  with pytest.raises(ValueError, match=r"^config\.rollout\.prompt_length: none of the 3 train "):
+    trainer.train(tiny_config(**overrides), str(tmp_path / "run2"))

@@ -301,6 +301,39 @@ def group_softmax(logits: Array, valid: Array) -> Array:
 
 RATIO_METRICS = ("log_ratio/mean", "log_ratio/max", "log_ratio/min", "log_ratio/var",
                  "clip/frac_upper", "clip/frac_lower")
+# The per-group weighted advantage sum (``weighted_advantage_sums``; docs/diagnostics.md).
+ADVANTAGE_SUM_METRICS = ("weights/adv_sum_abs_mean", "weights/adv_sum_abs_max")
+
+
+def weighted_advantage_sums(weights: Array | None, advantages: Array, group_size: int,
+                            valid: Array) -> Metrics:
+  """The diagnostic of ratio-weighted updates: per group g, S_g = sum_{j in g} w_j A_j.
+
+  With uniform weights (on-policy, or no importance weights at all) S_g is the group's mean
+  advantage, 0 under a group-mean baseline: the update moves the group's samples against each
+  other. Noisy weights make S_g != 0, so each update also pushes the likelihood of the whole
+  group up or down by S_g, at random (docs/diagnostics.md, "Weighted advantage sum").
+
+  Args:
+    weights: [N] each sample's weight, normalized so that uniform weights are 1 / G per sample
+      (SNIS weights as they are; a PPO coefficient rho_j divided by G); None: no weights (0).
+    advantages: [N] A_j.
+    group_size: G.
+    valid: [N] bool.
+
+  Returns:
+    ``weights/adv_sum_abs_mean`` (mean |S_g| over groups with a valid sample) and
+    ``weights/adv_sum_abs_max`` (the largest |S_g|).
+  """
+  if weights is None:
+    zero = jnp.zeros((), jnp.float32)
+    return {ADVANTAGE_SUM_METRICS[0]: zero, ADVANTAGE_SUM_METRICS[1]: zero}
+  groups = num_groups(advantages.shape[0], group_size)
+  terms = jnp.where(valid, jax.lax.stop_gradient(weights * advantages), 0.0)
+  sums = jnp.abs(jnp.sum(terms.astype(jnp.float32).reshape(groups, group_size), axis=1))
+  has_valid = jnp.any(valid.reshape(groups, group_size), axis=1)
+  return {ADVANTAGE_SUM_METRICS[0]: masked_mean(sums, has_valid),
+          ADVANTAGE_SUM_METRICS[1]: jnp.max(jnp.where(has_valid, sums, 0.0))}
 
 
 def ratio_metrics(log_ratio: Array, advantages: Array, valid: Array, *,

@@ -72,12 +72,14 @@ def espo_loss(elbo: Array, old_elbo: Array, advantages: Array,
 @base.register_objective(
     "espo", hparams=ESPOHparams, requires=("old_logp",),
     estimator=dict(method="espo_elbo", num_samples=2, coupled_ratio=True, normalize="sum"),
-    baseline="leave_one_out", uses_reference=lambda p: p.beta > 0, metrics=base.RATIO_METRICS)
+    baseline="leave_one_out", uses_reference=lambda p: p.beta > 0,
+    metrics=base.RATIO_METRICS + base.ADVANTAGE_SUM_METRICS)
 def loss(inputs: base.ObjectiveInputs, hparams: ESPOHparams,
          group_size: int) -> tuple[Array, base.Metrics]:
-  del group_size
   if inputs.gen_length is None:
     raise ValueError("ESPO needs inputs.gen_length (the generation length L)")
-  return espo_loss(inputs.logp, inputs.old_logp, inputs.advantages, inputs.gen_length,
-                   epsilon=hparams.epsilon, sample_mask=inputs.mask,
-                   ref_elbo=inputs.ref_logp, beta=hparams.beta)
+  loss_value, metrics = espo_loss(inputs.logp, inputs.old_logp, inputs.advantages,
+                                  inputs.gen_length, epsilon=hparams.epsilon,
+                                  sample_mask=inputs.mask, ref_elbo=inputs.ref_logp,
+                                  beta=hparams.beta)
+  return loss_value, {**metrics, **grpo.coefficient_sums(metrics, inputs, group_size)}

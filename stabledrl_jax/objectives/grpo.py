@@ -157,11 +157,24 @@ def estimator_defaults(params: GRPOHparams) -> dict[str, Any]:
                          token_level=lambda p: p.level == "token",
                          variants={"grpo_token": {"level": "token"},
                                    "grpo_sequence": {"level": "sequence"}},
-                         metrics=base.RATIO_METRICS)
+                         metrics=base.RATIO_METRICS + base.ADVANTAGE_SUM_METRICS)
 def loss(inputs: base.ObjectiveInputs, hparams: GRPOHparams,
          group_size: int) -> tuple[Array, base.Metrics]:
-  del group_size  # Advantages already carry the group structure.
-  return grpo_loss(inputs.logp, inputs.old_logp, inputs.advantages,
-                   epsilon_low=hparams.epsilon_low, epsilon_high=hparams.epsilon_high,
-                   mask=inputs.mask, ref_logp=inputs.ref_logp, beta=hparams.beta,
-                   kl_estimator=hparams.kl_estimator)
+  loss_value, metrics = grpo_loss(inputs.logp, inputs.old_logp, inputs.advantages,
+                                  epsilon_low=hparams.epsilon_low,
+                                  epsilon_high=hparams.epsilon_high, mask=inputs.mask,
+                                  ref_logp=inputs.ref_logp, beta=hparams.beta,
+                                  kl_estimator=hparams.kl_estimator)
+  return loss_value, {**metrics, **coefficient_sums(metrics, inputs, group_size)}
+
+
+def coefficient_sums(metrics: base.Metrics, inputs: base.ObjectiveInputs,
+                     group_size: int) -> base.Metrics:
+  """``base.weighted_advantage_sums`` of a PPO-clipped update: each sample's coefficient of
+  A_j grad logp_j (rho_j where unclipped, 0 where clipped; ``per_sample/weight``) over G."""
+  mask = inputs.mask
+  if mask is not None and mask.ndim == 2:  # Token level: a sample counts if a token does.
+    mask = jnp.any(mask, axis=-1)
+  valid = base.as_valid(mask, inputs.advantages.shape)
+  return base.weighted_advantage_sums(metrics["per_sample/weight"] / group_size,
+                                      inputs.advantages.astype(jnp.float32), group_size, valid)

@@ -108,9 +108,12 @@ def spg_loss(logp: Array, advantages: Array, lengths: Array, *,
 
 
 @base.register_objective("spg", hparams=SPGHparams, requires=("lengths",),
-                         estimator=BLOCK_RANDOM, eubo_beta=sandwich_eubo)
+                         estimator=BLOCK_RANDOM, eubo_beta=sandwich_eubo,
+                         metrics=base.ADVANTAGE_SUM_METRICS)
 def loss(inputs: base.ObjectiveInputs, hparams: SPGHparams,
          group_size: int) -> tuple[Array, base.Metrics]:
-  del group_size
-  return spg_loss(surrogate_logp(inputs, hparams.surrogate, hparams.omega), inputs.advantages,
-                  inputs.lengths, sample_mask=inputs.mask)
+  loss_value, metrics = spg_loss(surrogate_logp(inputs, hparams.surrogate, hparams.omega),
+                                 inputs.advantages, inputs.lengths, sample_mask=inputs.mask)
+  # No importance weights: the weighted advantage sums are 0 by construction.
+  return loss_value, {**metrics, **base.weighted_advantage_sums(
+      None, inputs.advantages, group_size, base.as_valid(inputs.mask, inputs.advantages.shape))}

@@ -31,6 +31,8 @@ from stabledrl_jax.objectives import base, spg
 Array = jax.Array
 CLIP_MODES = ("fixed", "adaptive")
 NORMALIZE_OVER = ("group", "batch")
+# advantage_centering: none (the paper's loss) | snis (A_j - sum_k w_k A_k within each group).
+CENTERINGS = ("none", "snis")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class StableDRLHparams:
   ``adapt_log_clip`` moves log hi by ``clip_step`` to keep the clipped fraction of the ratios in
   [clip_target_low, clip_target_high]. The bound lives in the objective's state
   (``TrainState.objective_state``), so it is checkpointed.
+
+  ``advantage_centering='snis'`` (ours, off by default): each A_j becomes A_j - sum_k w_k A_k
+  within its group (``center_advantages``), so that the weighted advantages of every group sum
+  to 0 as uniform weights' do (docs/algorithms.md, "Centred advantages").
   """
 
   min_ratio: float = 0.0
@@ -54,6 +60,7 @@ class StableDRLHparams:
   clip_target_low: float = 0.02
   clip_target_high: float = 0.10
   clip_step: float = 0.1
+  advantage_centering: str = "none"
 
   def check(self) -> None:
     if not 0 <= self.min_ratio < self.max_ratio:
@@ -62,6 +69,7 @@ class StableDRLHparams:
     base.check_choice("normalize_over", self.normalize_over, NORMALIZE_OVER)
     base.check_choice("surrogate", self.surrogate, spg.SURROGATES)
     base.check_choice("clip_mode", self.clip_mode, CLIP_MODES)
+    base.check_choice("advantage_centering", self.advantage_centering, CENTERINGS)
     spg.check_sandwich(self)
     if not 0 <= self.clip_target_low < self.clip_target_high <= 1:
       raise ValueError(f"clip_target_high: needs 0 <= clip_target_low < clip_target_high <= 1, "
@@ -156,6 +164,21 @@ def snis_weights(log_ratio: Array, group_size: int, *, min_ratio: float = _DEFAU
   return jax.lax.stop_gradient(weights.reshape(-1))
 
 
+def center_advantages(weights: Array, advantages: Array, group_size: int) -> Array:
+  """SNIS-centred advantages: A'_j = A_j - sum_{k in group} w_k A_k, weights detached.
+
+  With weights summing to 1 in the group, sum_j w_j A'_j = 0, and |A'_j| <= 2 max_k |A_k| (the
+  subtracted term is a convex combination of the A_k). Weights [N] of group-scope SNIS,
+  advantages [N] -> [N]; a group without weight mass (no valid sample) is left as it was.
+  """
+  chex.assert_equal_shape([weights, advantages])
+  groups = base.num_groups(advantages.shape[0], group_size)
+  w = jax.lax.stop_gradient(weights).reshape(groups, group_size)
+  a = jax.lax.stop_gradient(advantages.astype(jnp.float32)).reshape(groups, group_size)
+  shift = jnp.sum(w * a, axis=1, keepdims=True)
+  return (a - shift).reshape(-1)
+
+
 def _snis_metrics(weights: Array, group_size: int, valid: Array) -> base.Metrics:
   grouped = weights.reshape(-1, group_size)
   has_valid = jnp.any(valid.reshape(-1, group_size), axis=1)
@@ -175,7 +198,9 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
                    max_ratio: float = _DEFAULTS.max_ratio,
                    normalize_over: str = _DEFAULTS.normalize_over,
                    sample_mask: Array | None = None,
-                   log_max_ratio: Array | None = None) -> tuple[Array, base.Metrics]:
+                   log_max_ratio: Array | None = None,
+                   advantage_centering: str = _DEFAULTS.advantage_centering
+                   ) -> tuple[Array, base.Metrics]:
   """StableDRL: ``-(1/P) * sum_groups sum_j sg(w_j) * A_j * s_j``.
 
   Args:
@@ -189,9 +214,12 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
     normalize_over: ``"group"`` (weights sum to 1 per group) or ``"batch"`` (over the batch).
     sample_mask: optional [N] bool, samples that count.
     log_max_ratio: optional [] traced log hi (the adaptive clip) in place of ``log(max_ratio)``.
+    advantage_centering: ``"none"`` (the paper's loss) or ``"snis"``: A_j - sum_k w_k A_k per
+      group (``center_advantages``; group scope only).
 
   Returns:
-    (loss, metrics) with ESS, log-ratio, clip-fraction and weight-entropy diagnostics, and
+    (loss, metrics) with ESS, log-ratio, clip-fraction and weight-entropy diagnostics, the
+    weighted advantage sums of the uncentred advantages (``base.weighted_advantage_sums``), and
     ``per_sample/weight`` [N], the SNIS weights.
   """
   chex.assert_rank([logp, log_ratio, advantages], 1)
@@ -199,6 +227,10 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
   n = logp.shape[0]
   groups = base.num_groups(n, group_size)
   base.check_choice("normalize_over", normalize_over, NORMALIZE_OVER)
+  base.check_choice("advantage_centering", advantage_centering, CENTERINGS)
+  if advantage_centering == "snis" and normalize_over != "group":
+    raise ValueError("advantage_centering='snis' centres within each group: it needs "
+                     "normalize_over='group'")
   scope = group_size if normalize_over == "group" else n
   valid = base.as_valid(sample_mask, (n,))
   weights = snis_weights(log_ratio, scope, min_ratio=min_ratio, max_ratio=max_ratio,
@@ -206,7 +238,12 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
   advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
   # Group-scope weights sum to 1 per group (total mass P), batch scope to 1.
   total_mass = groups if scope == group_size else 1
-  loss = -jnp.sum(weights * advantages * logp.astype(jnp.float32)) / total_mass
+  # The sums S_g = sum_j w_j A_j, with weights on the group scale (uniform: 1 / G).
+  sums = base.weighted_advantage_sums(weights * (groups / total_mass), advantages, group_size,
+                                      valid)
+  applied = (center_advantages(weights, advantages, group_size)
+             if advantage_centering == "snis" else advantages)
+  loss = -jnp.sum(weights * applied * logp.astype(jnp.float32)) / total_mass
   log_lo, log_hi = log_bounds(min_ratio, max_ratio)
   if log_max_ratio is not None:
     log_hi = log_max_ratio
@@ -214,6 +251,7 @@ def stabledrl_loss(logp: Array, log_ratio: Array, advantages: Array,
       "loss": loss,
       **base.ratio_metrics(log_ratio, advantages, valid, log_lo=log_lo, log_hi=log_hi),
       **_snis_metrics(weights, scope, valid),
+      **sums,
       "per_sample/weight": weights,
   }
   return loss, metrics
@@ -245,8 +283,8 @@ def surrogate(inputs: base.ObjectiveInputs, hparams: StableDRLHparams) -> Array:
     eubo_beta=spg.sandwich_eubo, surrogate=surrogate, init_state=init_state,
     update_state=update_state,
     variants={"stabledrl": {}, "stabledrl_adaptive": {"clip_mode": "adaptive"}},
-    metrics=base.RATIO_METRICS + ("snis/ess", "snis/ess_min", "snis/weight_entropy",
-                                  "snis/weight_max"))
+    metrics=base.RATIO_METRICS + base.ADVANTAGE_SUM_METRICS + (
+        "snis/ess", "snis/ess_min", "snis/weight_entropy", "snis/weight_max"))
 def loss(inputs: base.ObjectiveInputs, hparams: StableDRLHparams,
          group_size: int) -> tuple[Array, base.Metrics]:
   log_ratio = inputs.logp - inputs.old_logp
@@ -261,7 +299,7 @@ def loss(inputs: base.ObjectiveInputs, hparams: StableDRLHparams,
       surrogate(inputs, hparams), log_ratio, inputs.advantages, group_size,
       min_ratio=hparams.min_ratio, max_ratio=hparams.max_ratio,
       normalize_over=hparams.normalize_over, sample_mask=inputs.mask,
-      log_max_ratio=log_max_ratio)
+      log_max_ratio=log_max_ratio, advantage_centering=hparams.advantage_centering)
   if log_clip_hi is not None:  # The bound this step clips at (fixed or adaptive).
     metrics["clip/max_ratio"] = jnp.exp(log_clip_hi)
   if hparams.clip_mode == "adaptive":

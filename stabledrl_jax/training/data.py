@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import ml_collections
 import numpy as np
+from absl import logging
 
 from stabledrl_jax import input_files, tasks, tokenizers
 from stabledrl_jax.models import family
@@ -178,6 +179,32 @@ def encode_examples(spec: Any, tokenizer, task: tasks.Task,
                          style=spec.prompt_style) for ex in examples]
   tokens, mask = encode_prompts(tokenizer, texts, spec.prompt_length)
   return PromptSet(list(examples), tokens, mask)
+
+
+def fitting_examples(spec: Any, tokenizer, task: tasks.Task, examples: Sequence[tasks.Example],
+                     *, split: str) -> list[tasks.Example]:
+  """The examples whose prompts fit ``spec.prompt_length`` tokens (``spec``: a
+  ``run_spec.RolloutSpec``); the others are skipped, their count logged once, naming the
+  setting (the official trainers have no cap, and a dataset with a few long prompts must not
+  stop a run). Raises ValueError naming ``config.rollout.prompt_length`` when none fits.
+  """
+  examples = list(examples)
+  if not examples:
+    return examples
+  texts = [format_prompt(tokenizer, task, ex, with_instruction=spec.with_instruction,
+                         style=spec.prompt_style) for ex in examples]
+  lengths = [len(tokenizer.encode(text)) for text in texts]
+  kept = [ex for ex, n in zip(examples, lengths) if n <= spec.prompt_length]
+  skipped = len(examples) - len(kept)
+  if not kept:
+    raise ValueError(f"config.rollout.prompt_length: none of the {len(examples)} {split} "
+                     f"prompts fits {spec.prompt_length} tokens (the shortest has "
+                     f"{min(lengths)}, the longest {max(lengths)})")
+  if skipped:
+    logging.warning("config.data.%s: skipped %d of %d prompts longer than "
+                    "config.rollout.prompt_length=%d tokens (the longest has %d); raise it to "
+                    "keep them", split, skipped, len(examples), spec.prompt_length, max(lengths))
+  return kept
 
 
 def check_tokenizer(model_config: Any, tokenizer) -> None:

@@ -105,10 +105,16 @@ class Trainer:
     self.scorer = reward_pool.RewardScorer(self.task, config.task.reward,
                                            workers=config.task.reward_workers,
                                            timeout_s=config.task.reward_timeout_s)
-    self.train_examples = data.make_examples(config, "train")
-    # Before the model and the supervised start: a prompt that does not fit fails at once.
-    self.eval_prompts = data.encode_examples(specs.resolve_rollout(config), self.tokenizer,
-                                             self.task, data.make_examples(config, "eval"))
+    # Before the model and the supervised start: prompts longer than rollout.prompt_length are
+    # skipped and counted (none fitting fails at once).
+    prompt_spec = specs.resolve_rollout(config)
+    self.train_examples = data.fitting_examples(prompt_spec, self.tokenizer, self.task,
+                                                data.make_examples(config, "train"),
+                                                split="train")
+    self.eval_prompts = data.encode_examples(
+        prompt_spec, self.tokenizer, self.task,
+        data.fitting_examples(prompt_spec, self.tokenizer, self.task,
+                              data.make_examples(config, "eval"), split="eval"))
     # Every process draws the same global batches and keeps its own groups: the position is the
     # same everywhere, and a resumed run (on any number of processes) draws what an
     # uninterrupted one would.
