@@ -113,31 +113,12 @@ def run_keys(names: list[str], mus: list[int]) -> list[tuple[str, int]]:
 
 def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
              window: int) -> dict | None:
-  """The first sign of collapse in a run's history (see the module docstring), or None."""
+  """The first sign of collapse in a run's history (see the module docstring), or None: the
+  trainer's collapse guard's rule (``training/collapse.py``), one skipped update enough."""
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
-  steps = [h for h in history if REWARD_METRIC in h]
-  for h in steps:
-    if int(h.get("skipped_steps", 0)) > 0:
-      return {"step": h["step"], "why": "a non-finite update was skipped"}
-  evals = sorted((h["step"], metric(h, "eval/accuracy")) for h in history
-                 if "eval/accuracy" in h)
-  if evals:
-    start, rose = evals[0][1], False
-    for step, value in evals[1:]:
-      rose = rose or value >= start + eval_margin
-      if rose and value <= start - eval_margin:
-        return {"step": step, "why": f"eval {value:.1f} < start {start:.1f} after rising"}
-  rewards = [metric(h, REWARD_METRIC) for h in steps]
-  if len(rewards) >= 2 * window:
-    first, rose = statistics.fmean(rewards[:window]), False
-    for end in range(window, len(rewards) + 1):
-      mean = statistics.fmean(rewards[end - window:end])
-      rose = rose or mean >= first + reward_margin
-      if rose and mean <= first - reward_margin:
-        return {"step": steps[end - 1]["step"],
-                "why": f"reward {mean:.3f} < first {first:.3f} after rising"}
-  return None
+  from stabledrl_jax.training import collapse as collapse_lib
+  return collapse_lib.first_collapse(history, collapse_lib.Rules(
+      eval_margin=eval_margin, reward_margin=reward_margin, window=window, max_skipped=1))
 
 
 def run_summary(result, **criteria) -> dict:

@@ -564,3 +564,63 @@ def test_orbax_closed_loop_noise_is_dropped_and_nothing_else(tmp_path, monkeypat
   Late(other)
   gc.collect()
   assert [str(u.exc_value) for u in seen] == ["something else"]
+
+
+# ---------------------------------------------------------------------------
+# The collapse guard (train.collapse_guard; training/collapse.py).
+# ---------------------------------------------------------------------------
+
+
+def test_the_collapse_rule_is_the_studys():
+  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  rules = collapse.Rules(eval_margin=2.0, reward_margin=0.02, window=2, max_skipped=3)
+  rising_then_falling = [{"step": 0, "eval/accuracy": 10.0}] + [
+      {"step": s, "rewards/correctness": 0.5, "skipped_steps": 0} for s in range(1, 6)] + [
+      {"step": 2, "eval/accuracy": 13.0}, {"step": 4, "eval/accuracy": 7.5}]
+  assert collapse.first_collapse(rising_then_falling, rules)["step"] == 4
+  never_rose = [{"step": 0, "eval/accuracy": 10.0}, {"step": 2, "eval/accuracy": 5.0}]
+  assert collapse.first_collapse(never_rose, rules) is None  # Degraded, not collapsed.
+  skips = [{"step": s, "rewards/correctness": 0.5, "skipped_steps": s // 2} for s in range(8)]
+  assert collapse.first_collapse(skips, rules)["step"] == 6  # The third skipped update.
+  reward = [{"step": s, "rewards/correctness": r} for s, r in
+            enumerate([0.1, 0.1, 0.2, 0.2, 0.05, 0.05], start=1)]
+  assert "reward" in collapse.first_collapse(reward, rules)["why"]
+  # A step run again after a restore replaces the first; the guard's own records are not steps.
+  trajectory = collapse.Trajectory([{"step": 1, "eval/accuracy": 1.0}, {"step": 2, "x": 1},
+                                    {"step": 2, "collapse_guard/lr_scale": 0.5},
+                                    {"step": 2, "x": 2}, {"step": 3, "x": 3}], upto=2)
+  assert trajectory.records() == [{"step": 1, "eval/accuracy": 1.0}, {"step": 2, "x": 2}]
+  from stabledrl_jax.training import config_lib, sweep  # pylint: disable=g-import-not-at-top
+  for field, value, says in (("action", "pause", "action: 'pause' is not one of"),
+                             ("lr_factor", 0.0, "lr_factor: needs 0 <"),
+                             ("window", 0, "window: needs an integer >= 1")):
+    config = sweep.with_overrides(config_lib.get("quickstart"),
+                                  {f"train.collapse_guard.{field}": value})
+    with pytest.raises(ValueError, match=f"^config.train.collapse_guard.{says}"):
+      specs.validate(config)
+
+
+def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then_stops(tmp_path):
+  """A rule that fires on any run (a one-step reward window, no margin: the second reward is
+  'below the first after rising'): the guard restores the best eval's state (the start's),
+  halves the learning rate, runs the steps again from there (the first rerun step is the first
+  run's: the same parameters, key and data), records the event, and once its restores are spent
+  stops the run normally; the metrics continue the same file."""
+  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  config = _quick(**{"train.num_steps": 4, "eval.every_steps": 1,
+                     "train.collapse_guard.enabled": True, "train.collapse_guard.window": 1,
+                     "train.collapse_guard.reward_margin": 0.0,
+                     "train.collapse_guard.max_restores": 1})
+  history = trainer.train(config, str(tmp_path))
+  assert [h["step"] for h in history] == [1, 2, 1, 2]
+  first, rerun = history[0], history[2]
+  assert rerun["rewards/mean"] == first["rewards/mean"]  # The state and data of step 0 again.
+  assert rerun["learning_rate"] == pytest.approx(0.5 * first["learning_rate"])
+  saved = json.loads((tmp_path / collapse.EVENTS_FILE).read_text())
+  assert saved["lr_scale"] == 0.5
+  assert [e["action"] for e in saved["events"]] == ["restore", "stop"]
+  assert saved["events"][0]["restored_step"] == 0 and saved["events"][0]["step"] == 1
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "rewards/mean" in r] == [1, 2, 1, 2]
+  assert [r["collapse_guard/restored_to"] for r in records
+          if "collapse_guard/restored_to" in r] == [0, -1]

@@ -144,7 +144,15 @@ def base_config() -> ml_collections.ConfigDict:
       compilation_cache_dir="",
       # Seconds a SIGTERM waits for the step boundary and its checkpoint before the command
       # ends at once (one process; a preemption's notice is about 30 s; 0: wait however long).
-      stop_grace_s=60.0))
+      stop_grace_s=60.0,
+      # The collapse guard (training/collapse.py; docs/reliability.md, "Collapse guard"), off by
+      # default: after every step the study's rule (eval or the reward's window mean falling
+      # past its margin after rising, or max_skipped skipped updates); on collapse 'restore'
+      # (the best checkpoint by eval, the learning rate times lr_factor, at most max_restores
+      # times) or 'stop'.
+      collapse_guard=ml_collections.ConfigDict(dict(
+          enabled=False, action="restore", lr_factor=0.5, max_restores=2, eval_margin=2.0,
+          reward_margin=0.02, window=20, max_skipped=1))))
   # steps 0: gen/2. family_options: the evaluation's own values of rollout.family_options.
   c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0,
                                           family_options=ml_collections.ConfigDict()))

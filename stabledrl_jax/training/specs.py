@@ -23,7 +23,7 @@ from stabledrl_jax import estimators, hub, objectives, tasks
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import layers
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import data, decoding, run_spec
+from stabledrl_jax.training import collapse, data, decoding, run_spec
 from stabledrl_jax.training import optimizer as optimizer_lib
 
 # Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
@@ -377,6 +377,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   _validate_schedule(config)
   _validate_data(config)
   _validate_logging(config)
+  _validate_collapse_guard(config)
   _validate_task_data(config)
   if num_devices is not None:
     _validate_mesh(config, num_devices)
@@ -492,6 +493,16 @@ def _validate_data(config: ml_collections.ConfigDict) -> None:
     _require(not str(value).startswith("/path/to"), field,
              f"{value!r} is a placeholder: pass a Hub id (e.g. --config.{field}=GSAI-ML/LLaDA-8B-"
              "Instruct) or a local directory")
+
+
+def _validate_collapse_guard(config: ml_collections.ConfigDict) -> None:
+  """train.collapse_guard's values; its restore needs evaluations (the best checkpoint by
+  eval)."""
+  guard = collapse.GuardSettings.of(config.train.get("collapse_guard"))
+  if guard.enabled and guard.action == "restore":
+    _require(config.eval.every_steps > 0, "train.collapse_guard.action",
+             "'restore' restores the best checkpoint by eval: it needs eval.every_steps > 0 "
+             "(or action='stop')")
 
 
 def _validate_logging(config: ml_collections.ConfigDict) -> None:

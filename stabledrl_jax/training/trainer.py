@@ -21,6 +21,7 @@ processes, and ends the run normally; rerunning the command continues exactly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -34,10 +35,10 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import tasks, workdir_files
-from stabledrl_jax.training import build, checkpointing, data, decoding, lora_base
+from stabledrl_jax.training import build, checkpointing, collapse, data, decoding, lora_base
 from stabledrl_jax.training import mesh as mesh_lib, metrics_writer, multihost, preemption
 from stabledrl_jax.training import reward_pool, rl_step as rl_step_lib, rollout as rollout_lib
-from stabledrl_jax.training import specs, step_metrics, supervised
+from stabledrl_jax.training import optimizer as optimizer_lib, specs, step_metrics, supervised
 
 
 class TooManySkipsError(RuntimeError):
@@ -151,6 +152,7 @@ class Trainer:
     self.fns = rl_step_lib.step_functions(
         parts, self.rollouts, num_iterations=config.train.num_iterations,
         kl_to_start=kl_to_start, start_params=params if keep_start else None)
+    self.guard = collapse.GuardSettings.of(config.train.get("collapse_guard"))
     state = build.initial_state(parts, params, config.seed)
     self.start_step = 0
     self.base_identity = (lora_base.identity(config, self.workdir) if parts.run.lora else None)
@@ -169,6 +171,7 @@ class Trainer:
     self.step_log = step_metrics.StepLog(config, parts, self.rollouts.split, self.tokenizer,
                                          self.workdir, [term.name for term in self.scorer.terms])
     self.samples = []  # This step's sample rollouts, for the writer.
+    self._build_guard()
 
   # -------------------------------------------------------------------------
   # Pieces of a step.
@@ -215,17 +218,103 @@ class Trainer:
     return num if self.primary and every and (step + 1) % every == 0 else 0
 
   # -------------------------------------------------------------------------
+  # The collapse guard (training/collapse.py).
+  # -------------------------------------------------------------------------
+
+  def _build_guard(self) -> None:
+    """The guard's trajectory (``metrics.jsonl`` up to the resumed step), its events and the
+    learning-rate scale earlier restores left (``collapse.EVENTS_FILE``), and the checkpoint of
+    the best eval."""
+    self.guard_events = []
+    self.lr_scale = 1.0
+    self.best_checkpointer = None
+    self.trajectory = collapse.Trajectory()
+    if not self.guard.enabled:
+      return
+    events = self.workdir / collapse.EVENTS_FILE
+    if events.exists():
+      saved = json.loads(events.read_text())
+      self.guard_events, self.lr_scale = list(saved["events"]), float(saved["lr_scale"])
+    metrics = self.workdir / "metrics.jsonl"
+    if metrics.exists() and self.start_step:
+      self.trajectory = collapse.Trajectory(
+          [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
+          upto=self.start_step)
+    self.best_checkpointer = checkpointing.Checkpointer(self.workdir, max_to_keep=1,
+                                                        subdir=collapse.BEST_DIR)
+    if self.lr_scale != 1.0:
+      self._scale_learning_rate(self.lr_scale)
+
+  def _scale_learning_rate(self, scale: float) -> None:
+    """The update step with the optimizer at ``scale`` x ``optimizer.learning_rate`` (the same
+    state layout: AdamW's moments carry over)."""
+    optimizer = ml_collections.ConfigDict(self.config.optimizer.to_dict())
+    optimizer.learning_rate = float(optimizer.learning_rate) * scale
+    self.parts = dataclasses.replace(
+        self.parts, tx=optimizer_lib.make_optimizer(optimizer, self.parts.num_updates),
+        schedule=optimizer_lib.learning_rate_schedule(optimizer, self.parts.num_updates))
+    self.fns = dataclasses.replace(self.fns, update=build.make_update(self.parts))
+    self.step_log.parts = self.parts
+
+  def _track(self, done: int, record: dict[str, Any], healthy: bool) -> None:
+    """The guard's record of step ``done`` (0: the start's evaluation); a new best eval's state
+    (above every earlier one) is saved as the best checkpoint."""
+    best = self.trajectory.best_eval()
+    self.trajectory.add({"step": done, **record})
+    value = record.get(collapse.EVAL_METRIC)
+    if healthy and value is not None and (best is None or float(value) > best):
+      self._save(done, checkpointer=self.best_checkpointer, extra={"eval": float(value)})
+
+  def _guard(self, done: int, record: dict[str, Any], healthy: bool) -> int | None:
+    """After step ``done``: ``_track``, then the rules. Returns the step the run goes on from
+    after a restore, -1 to stop, None to go on."""
+    self._track(done, record, healthy)
+    event = collapse.first_collapse(self.trajectory.records(), self.guard.rules)
+    if event is None:
+      return None
+    restores = sum(e["action"] == "restore" for e in self.guard_events)
+    self.checkpointer.wait()
+    self.best_checkpointer.wait()
+    best_step = self.best_checkpointer.latest_step()
+    # The best eval before the collapse (an eval rule's always is): a later one would hold it.
+    action = "restore" if (self.guard.action == "restore" and restores < self.guard.max_restores
+                           and best_step is not None and best_step < event["step"]) else "stop"
+    event = {**event, "detected_at": done, "action": action}
+    if action == "restore":
+      state, meta = checkpointing.restore_run(self.best_checkpointer, self.state, self.config,
+                                              base_identity=self.base_identity)
+      self.state = state
+      self.data_iter.restore(meta["data"])
+      self.lr_scale *= self.guard.lr_factor
+      self._scale_learning_rate(self.lr_scale)
+      self.trajectory.truncate(best_step)
+      event.update(restored_step=best_step, restored_eval=meta.get("eval"),
+                   lr_scale=self.lr_scale)
+    self.guard_events.append(event)
+    if self.primary:
+      workdir_files.write_text(self.workdir / collapse.EVENTS_FILE, json.dumps(
+          {"events": self.guard_events, "lr_scale": self.lr_scale}, indent=2))
+      logging.warning("collapse guard: %s at step %d (detected after step %d); %s",
+                      event["why"], event["step"], done,
+                      f"restored step {best_step} (eval {meta.get('eval')}), learning rate x "
+                      f"{self.lr_scale:g}" if action == "restore" else "stopping the run")
+    self._write(done, {"collapse_guard/restored_to": best_step if action == "restore" else -1,
+                       "collapse_guard/lr_scale": self.lr_scale})
+    return best_step if action == "restore" else -1
+
+  # -------------------------------------------------------------------------
   # The loop.
   # -------------------------------------------------------------------------
 
-  def _save(self, step: int) -> None:
+  def _save(self, step: int, *, checkpointer: Any = None,
+            extra: dict[str, Any] | None = None) -> None:
     meta = {"data": self.data_iter.state(), "processes": jax.process_count(),
-            "config": json.loads(self.config.to_json_best_effort())}
+            "config": json.loads(self.config.to_json_best_effort()), **(extra or {})}
     state = self.state
     if self.parts.run.lora:  # The adapters and their moments; the base is rebuilt (lora_base).
       state = state.replace(params=lora_base.saved_params(state.params))
       meta[lora_base.META_KEY] = self.base_identity
-    self.checkpointer.save(step, state, meta)
+    (checkpointer or self.checkpointer).save(step, state, meta)
 
   def run(self) -> list[dict[str, Any]]:
     """Trains from the latest checkpoint (or the start) to ``train.num_steps``, or until a
@@ -265,15 +354,18 @@ class Trainer:
     eval_key = jax.random.key(config.seed + 1)
     every = config.eval.every_steps
     if self.start_step == 0 and every:
-      self._write(0, self.evaluate(self.state.params, eval_key))
-    progress = tqdm.tqdm(range(self.start_step, config.train.num_steps),
-                         initial=self.start_step, total=config.train.num_steps,
+      start = self.evaluate(self.state.params, eval_key)
+      self._write(0, start)
+      if self.guard.enabled:
+        self._track(0, start, healthy=True)
+    progress = tqdm.tqdm(total=config.train.num_steps, initial=self.start_step,
                          desc="RL", dynamic_ncols=True, disable=not self.primary)
     last_save = time.monotonic()
     skipped_steps = 0  # Steps of this invocation that skipped every update.
     preempted = False
+    step = self.start_step
     try:
-      for step in progress:
+      while step < config.train.num_steps:
         skipped_before = int(self.state.skipped_steps)
         metrics = self.rl_step(step)
         skipped_steps += (int(self.state.skipped_steps) - skipped_before
@@ -286,11 +378,14 @@ class Trainer:
           with checkpointing.writing(self.workdir / "samples"):
             self.writer.write_samples(done, self.samples)
         history.append({"step": done, **metrics})
+        progress.update(1)
         progress.set_postfix(reward=f"{metrics['rewards/mean']:.3f}",
                              step_s=f"{metrics['time/step_s']:.2f}")
         if self.lock is not None:
           self.lock.touch()
-        if int(self.state.consecutive_skips) >= config.train.max_consecutive_skips:
+        guarded = self.guard.enabled
+        if (int(self.state.consecutive_skips) >= config.train.max_consecutive_skips
+            and not guarded):
           self.checkpointer.wait()
           last = self.checkpointer.latest_step()
           raise TooManySkipsError(
@@ -315,6 +410,16 @@ class Trainer:
                             done if healthy else self.checkpointer.latest_step(),
                             self.checkpointer.directory)
           break
+        step = done
+        if guarded:
+          resume = self._guard(done, metrics, healthy)
+          if resume == -1:  # Stopped (as a signal stops it): its result is its checkpoints.
+            preempted = True
+            break
+          if resume is not None:  # Restored: the steps after it run again.
+            step = resume
+            progress.n = step
+            progress.refresh()
     finally:
       progress.close()
     ran = len(history)
@@ -346,6 +451,7 @@ class Trainer:
     self.watcher.close()
     errors = []
     parts = [(self.checkpointer, self.workdir / checkpointing.CHECKPOINT_DIR),
+             (getattr(self, "best_checkpointer", None), self.workdir / collapse.BEST_DIR),
              (self.scorer, None), (self.writer, self.workdir)]
     for part, where in parts:
       if part is None:
@@ -355,7 +461,7 @@ class Trainer:
           part.close()
       except BaseException as error:  # pylint: disable=broad-except
         errors.append(error)
-    self.checkpointer = self.scorer = self.writer = None
+    self.checkpointer = self.scorer = self.writer = self.best_checkpointer = None
     self._release_lock()  # Last: the saves above have finished (or failed).
     if raising and errors:
       raise errors[0]

@@ -1,0 +1,151 @@
+"""Collapse: the ratio-noise study's rule (docs/ratio_noise_study.md), and the trainer's guard
+(``train.collapse_guard``; docs/reliability.md, "Collapse guard").
+
+A run's trajectory (one metrics record per step, ``metrics.jsonl``'s) has collapsed at the first
+of:
+
+- a step after which ``max_skipped`` updates have been skipped in all (a non-finite loss,
+  gradient, update or parameters; the records' cumulative ``skipped_steps``);
+- greedy eval (``eval/accuracy``) below its first value by more than ``eval_margin`` points after
+  having risen above it by as much;
+- the rollout reward's (``rewards/correctness``) ``window``-step mean below its first window's
+  after having risen above it by ``reward_margin``.
+
+``first_collapse`` is a pure function of the records; the study marks its runs with it and the
+guard checks it after every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Mapping, Sequence
+
+REWARD_METRIC = "rewards/correctness"
+EVAL_METRIC = "eval/accuracy"
+ACTIONS = ("restore", "stop")
+EVENTS_FILE = "collapse_guard.json"  # <workdir>/: every collapse the guard acted on
+BEST_DIR = "best_eval_checkpoint"  # <workdir>/: the state of the best eval so far
+GUARD_PREFIX = "collapse_guard/"  # the metrics records the guard writes when it acts
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """The collapse criteria (the study's defaults)."""
+
+  eval_margin: float = 2.0
+  reward_margin: float = 0.02
+  window: int = 20
+  max_skipped: int = 1
+
+
+def first_collapse(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
+  """The first sign of collapse in a trajectory, ``{"step", "why"}``, or None.
+
+  Args:
+    records: the trajectory's metrics records in step order, each with ``step`` and any of
+      ``skipped_steps``, ``eval/accuracy`` and ``rewards/correctness`` (values may be strings
+      for inf and nan, as ``metrics.jsonl`` stores them).
+    rules: the criteria.
+  """
+  steps = [r for r in records if REWARD_METRIC in r]
+  for r in steps:
+    skipped = int(float(r.get("skipped_steps", 0)))
+    if skipped >= rules.max_skipped:
+      return {"step": int(r["step"]), "why": ("a non-finite update was skipped" if skipped == 1
+                                              else f"{skipped} non-finite updates were skipped")}
+  evals = sorted((int(r["step"]), float(r[EVAL_METRIC])) for r in records if EVAL_METRIC in r)
+  if evals:
+    start, rose = evals[0][1], False
+    for step, value in evals[1:]:
+      rose = rose or value >= start + rules.eval_margin
+      if rose and value <= start - rules.eval_margin:
+        return {"step": step, "why": f"eval {value:.1f} < start {start:.1f} after rising"}
+  rewards = [float(r[REWARD_METRIC]) for r in steps]
+  window = rules.window
+  if len(rewards) >= 2 * window:
+    first, rose = statistics.fmean(rewards[:window]), False
+    for end in range(window, len(rewards) + 1):
+      mean = statistics.fmean(rewards[end - window:end])
+      rose = rose or mean >= first + rules.reward_margin
+      if rose and mean <= first - rules.reward_margin:
+        return {"step": int(steps[end - 1]["step"]),
+                "why": f"reward {mean:.3f} < first {first:.3f} after rising"}
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardSettings:
+  """``train.collapse_guard``: off by default.
+
+  Attributes:
+    enabled: check the rules after every step.
+    action: 'restore' (the best checkpoint by eval, the learning rate times ``lr_factor``, the
+      run goes on from there) or 'stop' (the run ends, its last checkpoint kept).
+    lr_factor: in (0, 1], what each restore multiplies the learning rate by.
+    max_restores: restores allowed; a collapse after them stops the run.
+    rules: the criteria.
+  """
+
+  enabled: bool = False
+  action: str = "restore"
+  lr_factor: float = 0.5
+  max_restores: int = 2
+  rules: Rules = Rules()
+
+  @classmethod
+  def of(cls, section: Any) -> "GuardSettings":
+    """From ``config.train.collapse_guard``; ValueError naming the field for a bad value."""
+    where = "config.train.collapse_guard"
+    if section is None:
+      return cls()
+    get = lambda name, default: section.get(name, default)
+    action = get("action", cls.action)
+    if action not in ACTIONS:
+      raise ValueError(f"{where}.action: {action!r} is not one of {ACTIONS}")
+    factor = float(get("lr_factor", cls.lr_factor))
+    if not 0 < factor <= 1:
+      raise ValueError(f"{where}.lr_factor: needs 0 < lr_factor <= 1, got {factor}")
+    restores = get("max_restores", cls.max_restores)
+    if not isinstance(restores, int) or restores < 0:
+      raise ValueError(f"{where}.max_restores: needs an integer >= 0, got {restores!r}")
+    rules = Rules(eval_margin=float(get("eval_margin", Rules.eval_margin)),
+                  reward_margin=float(get("reward_margin", Rules.reward_margin)),
+                  window=get("window", Rules.window), max_skipped=get("max_skipped",
+                                                                      Rules.max_skipped))
+    for name in ("eval_margin", "reward_margin"):
+      if not getattr(rules, name) >= 0:
+        raise ValueError(f"{where}.{name}: needs >= 0, got {getattr(rules, name)}")
+    for name in ("window", "max_skipped"):
+      value = getattr(rules, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}.{name}: needs an integer >= 1, got {value!r}")
+    return cls(enabled=bool(get("enabled", False)), action=action, lr_factor=factor,
+               max_restores=restores, rules=rules)
+
+
+class Trajectory:
+  """The records of the run as it now stands: one per step (a restore drops those after the
+  restored step, and the steps run again replace them), read back from ``metrics.jsonl`` on a
+  resume."""
+
+  def __init__(self, records: Sequence[Mapping[str, Any]] = (), *, upto: int | None = None):
+    self._by_step: dict[int, dict[str, Any]] = {}
+    for record in records:  # File order: a step run again after a restore replaces its first.
+      if "step" in record and not any(k.startswith(GUARD_PREFIX) for k in record):
+        self._by_step[int(record["step"])] = dict(record)
+    if upto is not None:
+      self.truncate(upto)
+
+  def add(self, record: Mapping[str, Any]) -> None:
+    self._by_step[int(record["step"])] = dict(record)
+
+  def truncate(self, step: int) -> None:
+    self._by_step = {s: r for s, r in self._by_step.items() if s <= step}
+
+  def records(self) -> list[dict[str, Any]]:
+    return [self._by_step[s] for s in sorted(self._by_step)]
+
+  def best_eval(self) -> float | None:
+    values = [float(r[EVAL_METRIC]) for r in self._by_step.values() if EVAL_METRIC in r]
+    return max(values) if values else None
