@@ -624,3 +624,20 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
   assert [r["step"] for r in records if "rewards/mean" in r] == [1, 2, 1, 2]
   assert [r["collapse_guard/restored_to"] for r in records
           if "collapse_guard/restored_to" in r] == [0, -1]
+  # Rerun (more steps): the scale and the events are read back; a garbled file is named.
+  more = sweep_overrides(config, {"train.num_steps": 5})
+  resumed = trainer.Trainer(more, str(tmp_path))
+  try:
+    assert resumed.lr_scale == 0.5 and len(resumed.guard_events) == 2
+    assert float(resumed.parts.schedule(0)) == pytest.approx(
+        0.5 * float(more.optimizer.learning_rate))
+  finally:
+    resumed.close()
+  (tmp_path / collapse.EVENTS_FILE).write_text("{not json")
+  with pytest.raises(ValueError, match="is not the collapse guard's events file"):
+    trainer.Trainer(more, str(tmp_path))
+
+
+def sweep_overrides(config, updates):
+  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  return sweep.with_overrides(config, updates)

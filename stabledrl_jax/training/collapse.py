@@ -18,6 +18,7 @@ guard checks it after every step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 from typing import Any, Mapping, Sequence
 
@@ -122,6 +123,33 @@ class GuardSettings:
         raise ValueError(f"{where}.{name}: needs an integer >= 1, got {value!r}")
     return cls(enabled=bool(get("enabled", False)), action=action, lr_factor=factor,
                max_restores=restores, rules=rules)
+
+
+def load_events(path: Any) -> tuple[list[dict[str, Any]], float]:
+  """The events and learning-rate scale a guard wrote to ``path`` (``EVENTS_FILE``); a file that
+  is not one is a one-line ValueError naming it."""
+  try:
+    saved = json.loads(path.read_text())
+    events, scale = list(saved["events"]), float(saved["lr_scale"])
+    if not (0 < scale <= 1 and all(isinstance(e, dict) and "action" in e for e in events)):
+      raise ValueError("its values are out of range")
+  except (ValueError, KeyError, TypeError) as error:
+    raise ValueError(f"{path} is not the collapse guard's events file ({str(error)[:80]}); move "
+                     "it aside to restart the guard's count") from None
+  return events, scale
+
+
+def read_records(path: Any) -> list[dict[str, Any]]:
+  """The records of a ``metrics.jsonl`` (a line that is not a JSON object is skipped)."""
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(record, dict):
+      records.append(record)
+  return records
 
 
 class Trajectory:

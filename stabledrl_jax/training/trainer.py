@@ -233,13 +233,10 @@ class Trainer:
       return
     events = self.workdir / collapse.EVENTS_FILE
     if events.exists():
-      saved = json.loads(events.read_text())
-      self.guard_events, self.lr_scale = list(saved["events"]), float(saved["lr_scale"])
+      self.guard_events, self.lr_scale = collapse.load_events(events)
     metrics = self.workdir / "metrics.jsonl"
     if metrics.exists() and self.start_step:
-      self.trajectory = collapse.Trajectory(
-          [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
-          upto=self.start_step)
+      self.trajectory = collapse.Trajectory(collapse.read_records(metrics), upto=self.start_step)
     self.best_checkpointer = checkpointing.Checkpointer(self.workdir, max_to_keep=1,
                                                         subdir=collapse.BEST_DIR)
     if self.lr_scale != 1.0:
