@@ -641,3 +641,23 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
 def sweep_overrides(config, updates):
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
   return sweep.with_overrides(config, updates)
+
+
+def test_a_sweep_reads_a_guarded_run_as_it_stands_and_names_the_guards_stop(tmp_path):
+  """The sweeps (the ratio-noise study) read a guarded run's steps as they now stand (a step
+  run again after a restore replaces its first record) and its stop as the guard's, not a
+  signal's."""
+  from stabledrl_jax.training import collapse, sweep  # pylint: disable=g-import-not-at-top
+  plain = [{"step": 1, "rewards/mean": 1.0}, {"step": 2, "rewards/mean": 0.0}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in plain))
+  assert sweep._trajectory(str(tmp_path)) == plain and sweep._guard_stop(str(tmp_path)) == ""
+  records = plain + [
+      {"step": 2, "collapse_guard/restored_to": 1, "collapse_guard/lr_scale": 0.5},
+      {"step": 2, "rewards/mean": 0.5}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+  (tmp_path / collapse.EVENTS_FILE).write_text(json.dumps({"lr_scale": 0.5, "events": [
+      {"step": 2, "why": "reward fell", "action": "restore"},
+      {"step": 3, "why": "eval fell", "action": "stop"}]}))
+  assert [r["rewards/mean"] for r in sweep._trajectory(str(tmp_path))] == [1.0, 0.5]
+  assert sweep._guard_stop(str(tmp_path)) == (
+      "the collapse guard stopped it: eval fell at step 3")

@@ -139,19 +139,6 @@ def load_events(path: Any) -> tuple[list[dict[str, Any]], float]:
   return events, scale
 
 
-def read_records(path: Any) -> list[dict[str, Any]]:
-  """The records of a ``metrics.jsonl`` (a line that is not a JSON object is skipped)."""
-  records = []
-  for line in path.read_text().splitlines():
-    try:
-      record = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(record, dict):
-      records.append(record)
-  return records
-
-
 class Trajectory:
   """The records of the run as it now stands: one per step (a restore drops those after the
   restored step, and the steps run again replace them), read back from ``metrics.jsonl`` on a

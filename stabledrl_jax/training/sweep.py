@@ -14,9 +14,10 @@ import time
 from typing import Any
 
 import ml_collections
+from etils import epath
 
 from stabledrl_jax import objectives
-from stabledrl_jax.training import metrics_writer, supervised, trainer
+from stabledrl_jax.training import collapse, metrics_writer, supervised, trainer
 
 _RESULT_FILE = "run_result.json"
 _BEGUN_FILE = "run_config.json"  # Written when a run starts: a cut run of this config resumes.
@@ -151,7 +152,8 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
     trainer.train(config, workdir)
   except trainer.TooManySkipsError as err:
     stopped = str(err)
-  history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  history = _trajectory(workdir)
+  stopped = stopped or _guard_stop(workdir)
   done = max((h["step"] for h in history), default=0)
   if not stopped and done < config.train.num_steps:  # A signal: saved, to be resumed.
     raise SystemExit(f"{workdir}: stopped by a signal at step {done} of "
@@ -162,6 +164,26 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   return RunResult(history=history, wall_s=wall_s, stopped=stopped, config=identity)
 
 
+def _trajectory(workdir: str) -> list[dict[str, Any]]:
+  """The run's metrics; a run the collapse guard restored keeps the steps as they now stand
+  (``collapse.Trajectory``: a step run again replaces its first record)."""
+  history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  if os.path.exists(os.path.join(workdir, collapse.EVENTS_FILE)):
+    history = collapse.Trajectory(history).records()
+  return history
+
+
+def _guard_stop(workdir: str) -> str:
+  """Why the collapse guard stopped the run in ``workdir`` ('' if it did not)."""
+  path = os.path.join(workdir, collapse.EVENTS_FILE)
+  if not os.path.exists(path):
+    return ""
+  events, _ = collapse.load_events(epath.Path(path))
+  last = events[-1] if events else {}
+  return (f"the collapse guard stopped it: {last['why']} at step {last['step']}"
+          if last.get("action") == "stop" else "")
+
+
 def finished_run(workdir: str) -> RunResult:
   """The result of a run that ``train_from_start`` finished in ``workdir``, read back."""
   path = os.path.join(workdir, _RESULT_FILE)
@@ -169,7 +191,7 @@ def finished_run(workdir: str) -> RunResult:
     raise FileNotFoundError(f"no finished run in {workdir!r} (no {_RESULT_FILE})")
   with open(path) as f:
     result = json.load(f)
-  history = metrics_writer.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  history = _trajectory(workdir)
   return RunResult(history=history, wall_s=result["wall_s"], stopped=result["stopped"],
                    config=result.get("config", ""))
 

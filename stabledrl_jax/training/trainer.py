@@ -236,7 +236,8 @@ class Trainer:
       self.guard_events, self.lr_scale = collapse.load_events(events)
     metrics = self.workdir / "metrics.jsonl"
     if metrics.exists() and self.start_step:
-      self.trajectory = collapse.Trajectory(collapse.read_records(metrics), upto=self.start_step)
+      self.trajectory = collapse.Trajectory(metrics_writer.read_metrics(metrics),
+                                            upto=self.start_step)
     self.best_checkpointer = checkpointing.Checkpointer(self.workdir, max_to_keep=1,
                                                         subdir=collapse.BEST_DIR)
     if self.lr_scale != 1.0:
