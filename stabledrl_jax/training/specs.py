@@ -95,6 +95,9 @@ FLOAT_RANGES: dict[str, _Range] = {
     "estimator.stress.hard_rate": _Range(0.0, 1.0, low_open=True),
     "checkpoint.every_seconds": _Range(0.0, 1e9, note="0: off; 1e9 s is 30 years"),
     # A timer's wait: at most a day (threading.TIMEOUT_MAX is about 9.2e9 s).
+    "train.collapse_guard.lr_factor": _Range(0.0, 1.0, low_open=True),
+    "train.collapse_guard.eval_margin": _Range(0.0, 100.0, note="eval points"),
+    "train.collapse_guard.reward_margin": _Range(0.0, 1e6),
     "train.stop_grace_s": _Range(0.0, 86400.0, note="0: a SIGTERM waits for the step boundary "
                                  "however long"),
     # A wait longer than threading.TIMEOUT_MAX (about 9.2e9 s) raises OverflowError mid-run.
@@ -158,6 +161,9 @@ INT_RANGES: dict[str, _IntRange] = {
     "train.num_iterations": _IntRange(1, _MAX_COUNT),
     "train.microbatch_groups": _IntRange(0, _MAX_SIZE, note="0: the whole batch at once"),
     "train.max_consecutive_skips": _IntRange(1, _MAX_COUNT),
+    "train.collapse_guard.max_restores": _IntRange(0, _MAX_COUNT),
+    "train.collapse_guard.window": _IntRange(1, _MAX_COUNT),
+    "train.collapse_guard.max_skipped": _IntRange(1, _MAX_COUNT),
     "eval.every_steps": _IntRange(0, _MAX_COUNT, note="0: never"),
     "eval.batch_size": _IntRange(1, _MAX_SIZE, note="prompts per sampler call"),
     "eval.steps": _IntRange(0, _MAX_COUNT, note="0: gen_length / 2; at most rollout.gen_length"),
