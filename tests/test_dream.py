@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from stabledrl_jax import models
 from stabledrl_jax.models import family
 from stabledrl_jax.models.dream import Dream, get_dream_config, sampler, tokenizer
 from stabledrl_jax.training import decoding
+
+import family_helpers
 
 # A Dream config.json as the release writes it (models/Dream-7B-Instruct/config.json), scaled
 # down: grouped-query attention, untied head.
@@ -71,12 +73,8 @@ def random_tensors(hf, seed=0):
   return t
 
 
-def write_checkpoint(path, tensors, hf=HF_CONFIG):
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf, f)
-  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-  return path
+def write_checkpoint(path, tensors, hf=HF_CONFIG, shards=1):
+  return family_helpers.write_checkpoint(path, tensors, hf, shards)
 
 
 def official_logits(t, hf, input_ids, attention_mask=None):
@@ -197,22 +195,11 @@ def test_predictions_are_the_generate_shift_and_the_suffix_is_their_tail(loaded)
 
 
 def test_save_then_load_round_trips(tmp_path, tensors, loaded):
-  out = str(tmp_path / "saved")
-  models.save_pretrained(loaded, out)
-  written = load_file(os.path.join(out, "model.safetensors"))
-  assert set(written) == set(tensors)
-  for name, value in tensors.items():
-    np.testing.assert_array_equal(written[name], value, err_msg=name)
-  with open(os.path.join(out, "config.json")) as f:
-    saved = json.load(f)
-  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size", "mask_token_id",
-              "eos_token_id", "model_type", "tie_word_embeddings"):
-    assert saved[key] == HF_CONFIG[key], key
-  reloaded = models.from_pretrained(out)
-  assert reloaded.config == loaded.config
-  for a, b in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(reloaded))):
-    np.testing.assert_array_equal(a, b)
+  family_helpers.assert_saves_and_reloads(
+      loaded, str(tmp_path / "saved"), tensors, HF_CONFIG,
+      ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+       "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size", "mask_token_id",
+       "eos_token_id", "model_type", "tie_word_embeddings"))
 
 
 def test_tied_embeddings_load_into_the_head(tmp_path, tensors):
@@ -440,26 +427,9 @@ def dream_config(**updates):
 
 def _batch(model_config, n=8, prompt=6, gen=10, seed=0):
   """Left-padded prompts, completions ending in EOS padding (ids 4 .. 27)."""
-  rng = np.random.default_rng(seed)
-  length = prompt + gen
-  tokens = rng.integers(4, 28, size=(n, length)).astype(np.int32)
-  prompt_mask = np.zeros((n, length), bool)
-  completion_mask = np.zeros((n, length), bool)
-  for row in range(n):
-    start, end = prompt - rng.integers(2, prompt + 1), prompt + rng.integers(3, gen + 1)
-    prompt_mask[row, start:prompt] = True
-    tokens[row, :start] = model_config.eos_token_id  # Left padding (the pad is EOS).
-    tokens[row, end:] = model_config.eos_token_id
-    completion_mask[row, prompt:min(end + 1, length)] = True
-  attention_mask = prompt_mask.copy()
-  attention_mask[:, prompt:] = True
-  advantages = rng.normal(size=n).astype(np.float32)
-  advantages -= advantages.reshape(2, -1).mean(1).repeat(n // 2)
-  from stabledrl_jax.training import rl_loss  # pylint: disable=g-import-not-at-top
-  return rl_loss.RolloutBatch(
-      tokens=jnp.asarray(tokens), prompt_mask=jnp.asarray(prompt_mask),
-      completion_mask=jnp.asarray(completion_mask), attention_mask=jnp.asarray(attention_mask),
-      advantages=jnp.asarray(advantages), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
+  return family_helpers.random_batch(model_config.eos_token_id, n=n, prompt=prompt, gen=gen,
+                                     seed=seed, num_tokens=24, min_prompt=2, min_completion=3,
+                                     pad_prompt=True)
 
 
 @pytest.mark.parametrize("objective,extra", OBJECTIVES)

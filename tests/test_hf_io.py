@@ -13,10 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from stabledrl_jax import models
 from stabledrl_jax.models import hf_io
+
+import family_helpers
 
 P = "model.transformer."
 
@@ -65,22 +67,7 @@ def random_tensors(hf, seed=0):
 
 
 def write_checkpoint(path, tensors, hf=HF_CONFIG, shards=1):
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf, f)
-  if shards == 1:
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
-  names = sorted(tensors)
-  weight_map = {}
-  for k in range(shards):
-    file_name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-    part = {n: tensors[n] for n in names[k::shards]}
-    save_file(part, os.path.join(path, file_name), metadata={"format": "pt"})
-    weight_map.update({n: file_name for n in part})
-  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-    json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
-  return path
+  return family_helpers.write_checkpoint(path, tensors, hf, shards)
 
 
 def reference_logits(t, hf, tokens, key_mask=None):

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from stabledrl_jax import models
+
+import family_helpers
 
 CONFIG = models.get_sdar_config("tiny")
 BS = CONFIG.block_size
@@ -297,12 +298,8 @@ def random_tensors(hf, seed=0):
   return t
 
 
-def write_checkpoint(path, tensors, hf=HF_CONFIG):
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf, f)
-  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-  return path
+def write_checkpoint(path, tensors, hf=HF_CONFIG, shards=1):
+  return family_helpers.write_checkpoint(path, tensors, hf, shards)
 
 
 def reference_logits(t, hf, tokens, positions, mask):
@@ -388,23 +385,11 @@ def test_logits_match_float64_reference(checkpoint, tensors):
 
 
 def test_save_then_load_round_trips(tmp_path, tensors, checkpoint):
-  model = models.from_pretrained(checkpoint)
-  out = str(tmp_path / "saved")
-  models.save_pretrained(model, out)
-  written = load_file(os.path.join(out, "model.safetensors"))
-  assert set(written) == set(tensors)
-  for name, value in tensors.items():
-    np.testing.assert_array_equal(written[name], value, err_msg=name)
-  with open(os.path.join(out, "config.json")) as f:
-    saved = json.load(f)
-  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size",
-              "block_size", "mask_token_id", "model_type"):
-    assert saved[key] == HF_CONFIG[key], key
-  reloaded = models.from_pretrained(out)
-  assert reloaded.config == model.config
-  for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(reloaded))):
-    np.testing.assert_array_equal(a, b)
+  family_helpers.assert_saves_and_reloads(
+      models.from_pretrained(checkpoint), str(tmp_path / "saved"), tensors, HF_CONFIG,
+      ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+       "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size",
+       "block_size", "mask_token_id", "model_type"))
 
 
 def test_tied_embeddings_load_into_the_head(tmp_path, tensors):

@@ -18,6 +18,7 @@ from stabledrl_jax.training import specs
 from stabledrl_jax.training import supervised, train_step, trainer
 
 from test_training import _comparable, _final_params, load_config, tiny_config
+import family_helpers
 
 
 def sdar_config(**updates):
@@ -116,25 +117,9 @@ OBJECTIVES = [
 def _sdar_batch(model_config, n=8, prompt=8, gen=12, seed=0, num_tokens=24):
   """Left-padded prompts (2 blocks of 4), completions of 3 blocks ending in EOS padding; tokens
   drawn from ids 4 .. 4 + num_tokens - 1 (no special ids)."""
-  rng = np.random.default_rng(seed)
-  length = prompt + gen
-  tokens = rng.integers(4, 4 + num_tokens, size=(n, length)).astype(np.int32)
-  prompt_mask = np.zeros((n, length), bool)
-  completion_mask = np.zeros((n, length), bool)
-  for row in range(n):
-    start, end = prompt - rng.integers(3, prompt + 1), prompt + rng.integers(4, gen + 1)
-    prompt_mask[row, start:prompt] = True
-    tokens[row, end:] = model_config.eos_token_id
-    completion_mask[row, prompt:min(end + 1, length)] = True
-  attention_mask = prompt_mask.copy()
-  attention_mask[:, prompt:] = True
-  advantages = rng.normal(size=n).astype(np.float32)
-  advantages -= advantages.reshape(2, -1).mean(1).repeat(n // 2)
-  return rl_loss.RolloutBatch(
-      tokens=jnp.asarray(tokens), prompt_mask=jnp.asarray(prompt_mask),
-      completion_mask=jnp.asarray(completion_mask), attention_mask=jnp.asarray(attention_mask),
-      advantages=jnp.asarray(advantages), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n),
-      stressed=jnp.asarray(np.arange(n) % 2 == 0))
+  return family_helpers.random_batch(model_config.eos_token_id, n=n, prompt=prompt, gen=gen,
+                                     seed=seed, num_tokens=num_tokens, min_prompt=3,
+                                     min_completion=4, pad_prompt=False, stressed=True)
 
 
 @pytest.mark.parametrize("objective,extra", OBJECTIVES)

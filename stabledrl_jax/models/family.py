@@ -61,6 +61,17 @@ class Shapes:
   remat: bool = False
 
 
+def hf_shapes(config: Any) -> Shapes:
+  """``Family.shapes`` for a config with the Hugging Face (Qwen2, Qwen3) field names:
+  hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+  intermediate_size, vocab_size (and ``remat``)."""
+  return Shapes(
+      d_model=config.hidden_size, n_layers=config.num_hidden_layers,
+      n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+      head_dim=config.head_dim, mlp_hidden_size=config.intermediate_size,
+      embedding_size=config.vocab_size, remat=config.remat)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
   """One model family.

@@ -82,6 +82,58 @@ def read_json_object(path: str, what: str = "") -> dict[str, Any]:
   return value
 
 
+def qwen_param_names(num_layers: int, *, tied: bool, attention_bias: bool, qk_norm: bool
+                     ) -> family_lib.ParamNames:
+  """(HF tensor name, JAX state path, transpose?) of a Qwen2/Qwen3-layout checkpoint (Dream's,
+  SDAR's): ``attention_bias`` q/k/v biases (Qwen2), ``qk_norm`` q_norm and k_norm (Qwen3);
+  ``tied``: the head reads model.embed_tokens.weight."""
+  names = [("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
+  for i in range(num_layers):
+    layer = f"model.layers.{i}."
+    names += [(layer + f"{norm}.weight", ("layers", i, norm, "weight"), False)
+              for norm in ("input_layernorm", "post_attention_layernorm")]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      names.append((layer + f"self_attn.{proj}.weight", ("layers", i, "self_attn", proj, "kernel"),
+                    True))
+      if attention_bias and proj != "o_proj":
+        names.append((layer + f"self_attn.{proj}.bias", ("layers", i, "self_attn", proj, "bias"),
+                      False))
+    if qk_norm:
+      names += [(layer + f"self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"),
+                 False) for norm in ("q_norm", "k_norm")]
+    names += [(layer + f"mlp.{hf}.weight", ("layers", i, "mlp", ours, "kernel"), True)
+              for hf, ours in (("gate_proj", "ff_proj"), ("up_proj", "up_proj"),
+                               ("down_proj", "ff_out"))]
+  names.append(("model.norm.weight", ("norm", "weight"), False))
+  names.append(("model.embed_tokens.weight" if tied else "lm_head.weight", ("lm_head", "kernel"),
+                True))
+  return names
+
+
+def qwen_fields(hf: dict[str, Any], fixed: dict[str, Any], required: tuple[str, ...]
+                ) -> dict[str, Any]:
+  """The shape fields of a Qwen2/Qwen3-layout config.json dict (Dream's, SDAR's config field
+  names), after refusing what the model does not implement: a ``fixed`` key (its only value
+  supported here) set otherwise, rope_scaling, or a missing ``required`` key."""
+  for key, supported in fixed.items():
+    if key in hf and hf[key] != supported:
+      raise NotImplementedError(f"config.json: {key}={hf[key]!r} is not supported "
+                                f"(this model implements {key}={supported!r})")
+  if hf.get("rope_scaling"):
+    raise NotImplementedError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported")
+  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "vocab_size", "mask_token_id") + required:
+    if hf.get(key) is None:
+      raise CheckpointError(f"config.json has no {key!r}")
+  return dict(
+      hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
+      num_attention_heads=hf["num_attention_heads"],
+      num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+      intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(hf.get("rope_theta", 10000.0)), mask_token_id=hf["mask_token_id"])
+
+
 def family_of(hf: dict[str, Any]) -> family_lib.Family:
   """The model family of a config.json dict, by its ``model_type``."""
   return family_lib.by_model_type(hf.get("model_type", _DEFAULT_MODEL_TYPE))

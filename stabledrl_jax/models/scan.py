@@ -21,6 +21,57 @@ from stabledrl_jax.models.sharding import constrain, logical_axes
 Array = jax.Array
 
 
+def _apply(layer: nnx.Module, x: Array, *args: Any) -> Array:
+  return layer(x, *args)
+
+
+# graph_updates=False: the layer's variables are inputs, never written back, so the remat also
+# runs inside a sampler's loops, whose trace cannot update variables of the enclosing one.
+_apply_remat = nnx.remat(_apply, graph_updates=False)
+
+
+def _span_fn(length: int) -> Callable[..., Array]:
+  """Applies a layer to the queries of positions start..start+length-1 (length static)."""
+
+  def apply(layer: nnx.Module, x: Array, *args_and_start: Any) -> Array:
+    *args, start = args_and_start
+    return layer(x, *args, (start, length))
+
+  return apply
+
+
+def apply_layers(layers: Sequence[nnx.Module], x: Array, *args: Any, remat: bool, scan: bool,
+                 axes: tuple[Any, ...], span: tuple[Array | int, int] | None = None) -> Array:
+  """``x`` through ``layer(x, *args)`` for each layer in order, the last on ``span`` alone.
+
+  Args:
+    layers: the model's layers (LLaDA's blocks, Dream's decoder layers), each called as
+      ``layer(x, *args)`` and, for the last with a span, ``layer(x, *args, span)``.
+    x: [B, L, D] activations.
+    *args: what every layer takes besides ``x`` (rotary angles, the key mask).
+    remat: rematerialize each layer in the backward pass.
+    scan: all but the last layer as one ``lax.scan`` (``scan_layers``).
+    axes: the activations' logical axes between layers (``sharding.constrain``).
+    span: (start, n), n static: the last layer computes only those queries.
+
+  Returns:
+    The last layer's output, [B, L, D] (or [B, n, D] with a span), not constrained.
+  """
+  apply = _apply_remat if remat else _apply
+  *body, last = layers
+  if scan and body:
+    x = scan_layers(body, x, lambda layer, x: constrain(layer(x, *args), axes), remat=remat)
+  else:
+    for layer in body:
+      x = constrain(apply(layer, x, *args), axes)
+  if span is None:
+    return apply(last, x, *args)
+  apply_span = _span_fn(int(span[1]))
+  if remat:
+    apply_span = nnx.remat(apply_span, graph_updates=False)
+  return apply_span(last, x, *args, span[0])
+
+
 def _stack(*variables: nnx.Variable) -> nnx.Variable:
   """The layers' values of one parameter, [n_layers, ...], sharded like one layer's."""
   value = jnp.stack([v[...] for v in variables])

@@ -87,15 +87,6 @@ def check_rollout(rollout: Any, config: DreamConfig) -> None:
                      "completion at once (no semi-autoregressive blocks)")
 
 
-def shapes(config: DreamConfig) -> family.Shapes:
-  """``family.Family.shapes``: the Qwen2 shapes in the FLOP counter's names."""
-  return family.Shapes(
-      d_model=config.hidden_size, n_layers=config.num_hidden_layers,
-      n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
-      head_dim=config.head_dim, mlp_hidden_size=config.intermediate_size,
-      embedding_size=config.vocab_size, remat=config.remat)
-
-
 def step_flops(shapes_: family.Shapes, config: DreamConfig, rollout: Any, num_samples: int,
                cache: str) -> tuple[float, float, float]:
   """``family.Family.step_flops``: each of the ``rollout.steps`` calls is a pass over the whole
@@ -131,7 +122,7 @@ FAMILY = family.register(family.Family(
     generate=generate, remasking=sampler.ALGS, check_rollout=check_rollout,
     # The official code ends a completion at its first EOS (<|endoftext|>).
     stop_ids=lambda config: (config.eos_token_id,), aliases=ALIASES,
-    shapes=shapes, step_flops=step_flops, holds_kv_cache=lambda cache: False,
+    shapes=family.hf_shapes, step_flops=step_flops, holds_kv_cache=lambda cache: False,
     eval_decoding=eval_decoding))
 
 __all__ = ["DREAM_CONFIG_NAMES", "Dream", "DreamConfig", "FAMILY", "get_dream_config"]

@@ -152,21 +152,6 @@ class DecoderLayer(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _apply_layer(layer: DecoderLayer, x: Array, cos: Array, sin: Array,
-                 key_mask: Array | None) -> Array:
-  return layer(x, cos, sin, key_mask)
-
-
-_apply_layer_remat = nnx.remat(_apply_layer, graph_updates=False)
-
-
-def _span_layer_fn(length: int):
-  def apply(layer: DecoderLayer, x: Array, cos: Array, sin: Array, key_mask: Array | None,
-            start: Array | int) -> Array:
-    return layer(x, cos, sin, key_mask, (start, length))
-  return apply
-
-
 class Dream(nnx.Module):
   """The Dream masked diffusion transformer.
 
@@ -206,22 +191,8 @@ class Dream(nnx.Module):
     cos, sin = rotary(positions_of(key_mask, b, length), self.config.head_dim,
                       self.config.rope_theta)
     x = constrain(self.embed_tokens(tokens), _HIDDEN_AXES)
-    apply = _apply_layer_remat if self.config.remat else _apply_layer
-    *body, last = self.layers
-    if self.config.scan_layers and body:
-      x = scan_lib.scan_layers(
-          body, x, lambda layer, x: constrain(layer(x, cos, sin, key_mask), _HIDDEN_AXES),
-          remat=self.config.remat)
-    else:
-      for layer in body:
-        x = constrain(apply(layer, x, cos, sin, key_mask), _HIDDEN_AXES)
-    if span is None:
-      x = apply(last, x, cos, sin, key_mask)
-    else:
-      apply_span = _span_layer_fn(int(span[1]))
-      if self.config.remat:
-        apply_span = nnx.remat(apply_span, graph_updates=False)
-      x = apply_span(last, x, cos, sin, key_mask, span[0])
+    x = scan_lib.apply_layers(self.layers, x, cos, sin, key_mask, remat=self.config.remat,
+                              scan=self.config.scan_layers, axes=_HIDDEN_AXES, span=span)
     return constrain(self.norm(x), _HIDDEN_AXES)
 
   def unembed(self, hidden: Array) -> Array:

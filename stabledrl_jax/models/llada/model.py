@@ -66,27 +66,8 @@ class Block(nnx.Module):
     return x + self.mlp(self.ff_norm(x))
 
 
-def _apply_block(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array | None) -> Array:
-  return block(x, cos, sin, key_mask)
-
-
-# graph_updates=False: the block's variables are inputs, never written back, so the remat also
-# runs inside a sampler's loops, whose trace cannot update variables of the enclosing one.
-_apply_block_remat = nnx.remat(_apply_block, graph_updates=False)
-
-
 # Activations split over the batch rule's mesh axes (see `sharding.constrain`).
 _HIDDEN_AXES = ("batch", None, None)
-
-
-def _span_block_fn(length: int):
-  """Applies a block to the queries of positions start..start+length-1 (length static)."""
-
-  def apply(block: Block, x: Array, cos: Array, sin: Array, key_mask: Array | None,
-            start: Array | int) -> Array:
-    return block(x, cos, sin, key_mask, (start, length))
-
-  return apply
 
 
 class LLaDA(nnx.Module):
@@ -129,23 +110,8 @@ class LLaDA(nnx.Module):
       attention_mask = attention_mask.astype(bool)
     cos, sin = layers.rotary_angles(tokens.shape[1], self.config.head_dim, self.config.rope_theta)
     x = constrain(self.wte(tokens), _HIDDEN_AXES)
-    apply = _apply_block_remat if self.config.remat else _apply_block
-    *body, last = self.blocks
-    if self.config.scan_layers and body:
-      x = scan_lib.scan_layers(
-          body, x, lambda block, x: constrain(block(x, cos, sin, attention_mask), _HIDDEN_AXES),
-          remat=self.config.remat)
-    else:
-      for block in body:
-        x = constrain(apply(block, x, cos, sin, attention_mask), _HIDDEN_AXES)
-    if span is None:
-      x = apply(last, x, cos, sin, attention_mask)
-    else:
-      start, length = span
-      apply_span = _span_block_fn(int(length))
-      if self.config.remat:
-        apply_span = nnx.remat(apply_span, graph_updates=False)
-      x = apply_span(last, x, cos, sin, attention_mask, start)
+    x = scan_lib.apply_layers(self.blocks, x, cos, sin, attention_mask, remat=self.config.remat,
+                              scan=self.config.scan_layers, axes=_HIDDEN_AXES, span=span)
     return constrain(self.ln_f(x), _HIDDEN_AXES)
 
   def encode_kv(self, tokens: Array, attention_mask: Array | None = None, *,

@@ -99,15 +99,6 @@ def check_rollout(rollout: Any, config: SDARConfig) -> None:
                      f"completion blocks ({num_blocks} of the model's block_size={size})")
 
 
-def shapes(config: SDARConfig) -> family.Shapes:
-  """``family.Family.shapes``: the Qwen3 shapes in the FLOP counter's names."""
-  return family.Shapes(
-      d_model=config.hidden_size, n_layers=config.num_hidden_layers,
-      n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
-      head_dim=config.head_dim, mlp_hidden_size=config.intermediate_size,
-      embedding_size=config.vocab_size, remat=config.remat)
-
-
 def step_flops(shapes_: family.Shapes, config: SDARConfig, rollout: Any, num_samples: int,
                cache: str) -> tuple[float, float, float]:
   """``family.Family.step_flops``: one prefill of the prompt, then per block its steps on the
@@ -150,6 +141,6 @@ FAMILY = family.register(family.Family(
     remasking=tuple(REMASKING), check_rollout=check_rollout,
     block_size=lambda config: config.block_size, stop_ids=lambda config: config.stop_token_ids,
     aliases={llada: qwen for qwen, llada in QWEN_NAMES.items()},
-    shapes=shapes, step_flops=step_flops, holds_kv_cache=lambda cache: True))
+    shapes=family.hf_shapes, step_flops=step_flops, holds_kv_cache=lambda cache: True))
 
 __all__ = ["FAMILY", "KVCache", "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES", "get_sdar_config"]

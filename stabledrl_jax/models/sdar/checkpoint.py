@@ -44,52 +44,18 @@ def param_names(config: SDARConfig, *, tied: bool = False
   tied: the checkpoint ties the output head to the embedding (lm_head reads
   model.embed_tokens.weight).
   """
-  names = [("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
-  for i in range(config.num_hidden_layers):
-    layer = f"model.layers.{i}."
-    names += [
-        (layer + "input_layernorm.weight", ("layers", i, "input_layernorm", "weight"), False),
-        (layer + "post_attention_layernorm.weight",
-         ("layers", i, "post_attention_layernorm", "weight"), False),
-    ]
-    names += [(layer + f"self_attn.{proj}.weight", ("layers", i, "self_attn", proj, "kernel"), True)
-              for proj in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    names += [(layer + f"self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"),
-               False) for norm in ("q_norm", "k_norm")]
-    names += [(layer + f"mlp.{hf}.weight", ("layers", i, "mlp", ours, "kernel"), True)
-              for hf, ours in (("gate_proj", "ff_proj"), ("up_proj", "up_proj"),
-                               ("down_proj", "ff_out"))]
-  names.append(("model.norm.weight", ("norm", "weight"), False))
-  head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-  names.append((head, ("lm_head", "kernel"), True))
-  return names
+  return hf_io.qwen_param_names(config.num_hidden_layers, tied=tied, attention_bias=False,
+                                qk_norm=True)
 
 
 def config_from_hf(hf: dict[str, Any], **overrides) -> SDARConfig:
   """SDARConfig from an SDAR config.json dict; `overrides` set SDARConfig fields (dtypes...)."""
-  for key, supported in _FIXED_KEYS.items():
-    if key in hf and hf[key] != supported:
-      raise NotImplementedError(f"config.json: {key}={hf[key]!r} is not supported "
-                                f"(this model implements {key}={supported!r})")
-  if hf.get("rope_scaling"):
-    raise NotImplementedError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported")
   if hf.get("num_experts") or hf.get("num_local_experts"):
     raise NotImplementedError("config.json describes a mixture-of-experts model; only dense SDAR "
                               "is implemented")
-  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-              "vocab_size", "block_size", "mask_token_id"):
-    if key not in hf:
-      raise hf_io.CheckpointError(f"config.json has no {key!r}")
-  fields = dict(
-      hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
-      num_attention_heads=hf["num_attention_heads"],
-      num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-      intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      rope_theta=float(hf.get("rope_theta", 10000.0)),
-      block_size=hf["block_size"], mask_token_id=hf["mask_token_id"],
-  )
+  fields = hf_io.qwen_fields(hf, _FIXED_KEYS, required=("block_size",))
+  fields.update(head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                block_size=hf["block_size"])
   if hf.get("eos_token_id") is not None:
     fields["eos_token_id"] = hf_io.first_id(hf["eos_token_id"])
     fields["stop_token_ids"] = tuple(hf_io.as_ids(hf["eos_token_id"]))
