@@ -255,19 +255,14 @@ def main(argv) -> None:
   per_row = {name: {} for name in names}
   for seed in seeds:
     seeded = sweep.with_overrides(base, {"seed": seed})
-    if not _SUMMARIZE_ONLY.value:
-      start = sweep.fit_supervised_start(seeded, os.path.join(workdir, f"seed{seed}", "sft"))
+    start = None if _SUMMARIZE_ONLY.value else sweep.fit_supervised_start(
+        seeded, os.path.join(workdir, f"seed{seed}", "sft"))
     for name in names:
       run_dir = os.path.join(workdir, f"seed{seed}", *["official"] * _OFFICIAL.value, name)
-      if _SUMMARIZE_ONLY.value:
-        try:
-          result = sweep.finished_run(run_dir)
-        except FileNotFoundError:
-          continue
-      else:
-        config = sweep.with_overrides(seeded, known[name][0])
-        result = sweep.train_from_start(config, start, run_dir, reuse=True)
-        print(f"seed {seed} {name}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+      result = sweep.run_or_read(sweep.with_overrides(seeded, known[name][0]), start, run_dir,
+                                 label=f"seed {seed} {name}", summarize_only=_SUMMARIZE_ONLY.value)
+      if result is None:
+        continue
       per_row[name][str(seed)] = run_summary(result)
   per_row = {name: runs for name, runs in per_row.items() if runs}
   if not per_row:

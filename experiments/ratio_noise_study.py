@@ -10,9 +10,15 @@ Runs, each from the same supervised start with the same seed and batches (quicks
   mask coupling (``<name>``: GRPO and ESPO score l_old on each update's own masks, StableDRL on
   masks of its own) and with independent masks (``<name>_independent``: the ratio then carries
   the estimator's noise; StableDRL's official coupling already is this);
+- StableDRL and SPG with ``block_random`` as its official code runs on this completion
+  (``<name>_oneblock``: one block over the whole completion, 15% of the prompt masked; with the
+  default 32-token blocks a 40-token completion makes the official code raise IndexError, and
+  the plain rows run our 32 + 8 split, which the table's estimator column marks "ours");
 - StableDRL again with ``block_random`` fitted to the toy (``stabledrl_fitted``: one block over
   the completion, no prompt masking, as in experiments/compare_objectives.py), which leaves the
   ratio the noise of independent masks without that of the masked prompt digits;
+- StableDRL with its advantages centred under the SNIS weights (``stabledrl_centred``: the
+  one-block estimator, ``objective.stabledrl.advantage_centering=snis``);
 - SPG and wd1, which have no importance ratio, as references;
 - each at mu = 2, 4 and 8 inner updates per rollout batch (``train.num_iterations``: the policy
   drifts further from pi_old with every update), and the ratio-based ones also stressed
@@ -21,9 +27,12 @@ Runs, each from the same supervised start with the same seed and batches (quicks
 - a frozen-policy control (StableDRL at learning rate 1e-12): its curves move with the batches
   alone.
 
-Per run it records the rollout reward and greedy eval curves, the pre-clip gradient norm, the
+Each at ``--seeds`` (default: the config's own seed; another seed S runs in
+``<row>/mu<mu>-seed<S>``, its batches, masks and held-out set drawn from S, its supervised start
+the shared one). Per run it records the rollout reward and greedy eval curves, the pre-clip gradient norm, the
 variance of log rho over the batch (``log_ratio/var``), StableDRL's effective sample size, the
-KL from the start (``kl_start/mean``) and skipped (non-finite) steps, and marks collapse:
+KL from the start (``kl_start/mean``), the weighted advantage sum (``weights/adv_sum_abs_mean``,
+docs/diagnostics.md) and skipped (non-finite) steps, and marks collapse:
 
 - a skipped step (a non-finite loss or gradient), or
 - greedy eval below its start by more than ``--eval_margin`` points after having risen above it
@@ -36,7 +45,9 @@ risen is marked ``degraded`` instead (it never learned; it did not collapse).
 
 Finished runs with the same config are read back, and a cut run resumes from its checkpoint, so
 the study can be continued in several sittings. Writes ``<workdir>/study.json``, draws
-``<workdir>/study.png`` and prints the table in Markdown.
+``<workdir>/study.png`` and prints the table in Markdown; with several seeds also a table per
+cell (the fraction of seeds that collapse, the median final eval) and the rank correlation, over
+the runs with SNIS weights, between the mean weighted advantage sum and the final KL.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ _EVAL_MARGIN = flags.DEFINE_float("eval_margin", 2.0, "Collapse: eval points bel
 _REWARD_MARGIN = flags.DEFINE_float("reward_margin", 0.02, "Collapse: reward below the first "
                                     "window's mean, after having been as far above it.")
 _WINDOW = flags.DEFINE_integer("window", 20, "Steps of the reward's moving mean.")
+_SEEDS = flags.DEFINE_list("seeds", None, "Seeds to run (default: the config's seed).")
 _SUMMARIZE_ONLY = flags.DEFINE_bool("summarize_only", False,
                                     "Train nothing: summarize the finished runs in --workdir.")
 
@@ -69,7 +81,9 @@ REFERENCES = ("spg", "wd1")
 FROZEN = "frozen"
 FROZEN_LEARNING_RATE = 1e-12
 CURVES = {"reward": None, "grad_norm": "grad_norm",  # reward: sweep.REWARD_METRIC
-          "log_ratio_var": "log_ratio/var", "ess": "snis/ess", "kl_start": "kl_start/mean"}
+          "log_ratio_var": "log_ratio/var", "ess": "snis/ess", "kl_start": "kl_start/mean",
+          "adv_sum": "weights/adv_sum_abs_mean"}
+ONE_BLOCK = ("stabledrl", "spg")  # block_random objectives: also as the official code runs here.
 
 
 def rows(completion_length: int) -> dict[str, dict]:
@@ -85,13 +99,17 @@ def rows(completion_length: int) -> dict[str, dict]:
       out[f"{name}_fitted"] = {**variants[name], **sweep.fitted_block_random(completion_length)}
   for name in REFERENCES:
     out[name] = dict(variants[name])
+  for name in ONE_BLOCK:
+    out[f"{name}_oneblock"] = {**variants[name], "estimator.block_length": completion_length}
+  out["stabledrl_centred"] = {**out["stabledrl_oneblock"],
+                              "objective.stabledrl.advantage_centering": "snis"}
   for name in RATIO_BASED:
     out[f"{name}_stress"] = {**variants[name], "estimator.stress.fraction": None}
   out[FROZEN] = {**variants["stabledrl"], "optimizer.learning_rate": FROZEN_LEARNING_RATE}
   return out
 
 
-VARIANTS = ("independent", "fitted", "stress")
+VARIANTS = ("independent", "fitted", "oneblock", "centred", "stress")
 
 
 def split_row(row: str) -> tuple[str, str]:
@@ -121,6 +139,27 @@ def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
       eval_margin=eval_margin, reward_margin=reward_margin, window=window, max_skipped=1))
 
 
+def run_name(row: str, mu: int, seed: int, config_seed: int) -> str:
+  """The run's key in study.json and its directory under the workdir."""
+  return f"{row}/mu{mu}" + ("" if seed == config_seed else f"-seed{seed}")
+
+
+def estimator_label(config) -> str:
+  """What the run's likelihood estimator is, e.g. 'block_random 32 + 8 (ours), prompt 15%'."""
+  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  settings = specs.estimator_settings(config)
+  label = settings["method"]
+  if label.startswith("block_random"):
+    length, block = config.rollout.gen_length, settings["block_length"]
+    label += (f" {length // block} x {block}" if length % block == 0 else
+              f" {block} + {length % block} (ours: the official code raises IndexError here)")
+  if settings.get("prompt_mask_prob"):
+    label += f", prompt {settings['prompt_mask_prob']:.0%}"
+  if settings.get("coupled_ratio"):
+    label += ", l_old on the update's masks"
+  return label
+
+
 def run_summary(result, **criteria) -> dict:
   """Curves and the summary statistics of one run."""
   # pylint: disable-next=g-import-not-at-top
@@ -132,7 +171,7 @@ def run_summary(result, **criteria) -> dict:
            if "eval/accuracy" in h}
   finite = lambda xs: [x for x in xs if x is not None and math.isfinite(x)]
   norms, ratio_var = finite(curves["grad_norm"]), finite(curves["log_ratio_var"])
-  ess, kl = finite(curves["ess"]), finite(curves["kl_start"])
+  ess, kl, adv_sum = finite(curves["ess"]), finite(curves["kl_start"]), finite(curves["adv_sum"])
   return {
       "steps": [h["step"] for h in steps], "curves": curves, "eval": evals,
       "eval_start": evals[min(evals)] if evals else math.nan,
@@ -142,6 +181,7 @@ def run_summary(result, **criteria) -> dict:
       "log_ratio_var_mean": statistics.fmean(ratio_var) if ratio_var else None,
       "ess_min": min(ess) if ess else None,
       "kl_final": kl[-1] if kl else None,
+      "adv_sum_mean": statistics.fmean(adv_sum) if adv_sum else None,
       "skipped_steps": int(result.history[-1].get("skipped_steps", 0)) if result.history else 0,
       "collapse": collapse(result.history, **criteria),
       "degraded": bool(evals) and evals[max(evals)] <= evals[min(evals)] - criteria["eval_margin"],
@@ -157,29 +197,33 @@ def plot(study: dict, path: str) -> None:
   mus = sorted({entry["mu"] for entry in study.values()})
   panels = [("reward", "rollout reward"), ("eval", "greedy eval, %"),
             ("grad_norm", "grad norm (pre-clip)"), ("log_ratio_var", "var log rho"),
-            ("ess", "SNIS ESS (StableDRL)"), ("kl_start", "KL from the start")]
+            ("ess", "SNIS ESS (StableDRL)"), ("kl_start", "KL from the start"),
+            ("adv_sum", "|sum_j w_j A_j|, group mean")]
   fig, axes = plt.subplots(len(panels), len(mus), figsize=(4.2 * len(mus), 2.3 * len(panels)),
                            sharex=True, squeeze=False)
   # One colour per objective, one line style per variant (official, independent, fitted, stress).
   colors = {name: f"C{i}" for i, name in enumerate(RATIO_BASED + REFERENCES)}
-  styles = {"independent": "--", "fitted": "-.", "stress": ":"}
+  styles = {"independent": "--", "fitted": "-.", "stress": ":", "oneblock": (0, (5, 1, 1, 1)),
+            "centred": (0, (1, 1))}
+  first_seed = next(iter(study.values())).get("seed")
   for key, entry in study.items():
     col = mus.index(entry["mu"])
     objective, variant = split_row(entry["row"])
     style = styles.get(variant, "-")
+    label = entry["row"] if entry.get("seed") in (None, first_seed) else None  # once per row
     color = "0.6" if entry["row"] == FROZEN else colors.get(objective)
     for row, (name, label) in enumerate(panels):
       ax = axes[row, col]
       if name == "eval":
         points = sorted((int(s), v) for s, v in entry["eval"].items())
-        line, = ax.plot([s for s, _ in points], [v for _, v in points], style, marker=".",
-                        color=color, label=entry["row"])
+        line, = ax.plot([s for s, _ in points], [v for _, v in points], linestyle=style,
+                        marker=".", color=color, label=label)
       else:
         points = [(s, v) for s, v in zip(entry["steps"], entry["curves"][name]) if v is not None]
         if not points:
           continue
-        line, = ax.plot([s for s, _ in points], [v for _, v in points], style, color=color,
-                        lw=1, label=entry["row"])
+        line, = ax.plot([s for s, _ in points], [v for _, v in points], linestyle=style,
+                        color=color, lw=1, label=label)
       if entry["collapse"] is not None and name in ("reward", "eval"):
         ax.axvline(entry["collapse"]["step"], color=line.get_color(), alpha=0.4, lw=0.8)
       if name in ("grad_norm", "log_ratio_var"):
@@ -204,11 +248,60 @@ def markdown_table(study: dict) -> str:
   for key, e in study.items():
     fell = ("degraded" if e["degraded"] else "no") if e["collapse"] is None else (
         f"step {e['collapse']['step']}: {e['collapse']['why']}")
-    lines.append(f"| {e['row']} | {e['mu']} | {e['eval_start']:.1f} -> {e['eval_best']:.1f} -> "
+    run = e["row"] + (f" (seed {e['seed']})" if e.get("seed") not in (None, e.get("config_seed"))
+                      else "")
+    lines.append(f"| {run} | {e['mu']} | {e['eval_start']:.1f} -> {e['eval_best']:.1f} -> "
                  f"{e['eval_final']:.1f} | {fell} | {text(e['grad_norm_max'])} | "
                  f"{text(e['log_ratio_var_mean'])} | {text(e['ess_min'])} | "
                  f"{text(e['kl_final'])} | {e['skipped_steps']} |")
   return "\n".join(lines)
+
+
+def estimator_table(study: dict) -> str:
+  """Each row's likelihood estimator, named for what it is (``estimator_label``)."""
+  labels = {e["row"]: e["estimator"] for e in study.values() if e.get("estimator")}
+  return "\n".join(["| row | estimator |", "|---|---|"]
+                   + [f"| {row} | {label} |" for row, label in labels.items()])
+
+
+def cells(study: dict) -> dict[tuple[str, int], list[dict]]:
+  """The runs of each (row, mu), over seeds, in the study's order."""
+  out = {}
+  for e in study.values():
+    out.setdefault((e["row"], e["mu"]), []).append(e)
+  return out
+
+
+def cell_table(study: dict) -> str:
+  """Per (row, mu): how many of its seeds collapse, and the medians over them."""
+  lines = ["| run | mu | seeds | collapsed | eval final, median [min, max] | eval best, median | "
+           "KL from start (final), median | mean abs weighted advantage sum, median |",
+           "|---|---|---|---|---|---|---|---|"]
+  median = lambda xs: statistics.median(xs) if xs else None
+  text = lambda x: "-" if x is None else f"{x:.3g}"
+  for (row, mu), runs in cells(study).items():
+    finals = [e["eval_final"] for e in runs]
+    fell = sum(e["collapse"] is not None for e in runs)
+    lines.append(
+        f"| {row} | {mu} | {len(runs)} | {fell} of {len(runs)} | {median(finals):.1f} "
+        f"[{min(finals):.1f}, {max(finals):.1f}] | {median([e['eval_best'] for e in runs]):.1f} | "
+        f"{text(median([e['kl_final'] for e in runs if e['kl_final'] is not None]))} | "
+        f"{text(median([e['adv_sum_mean'] for e in runs if e.get('adv_sum_mean') is not None]))} |")
+  return "\n".join(lines)
+
+
+def advantage_sum_kl_correlation(study: dict, rows_: list[str] | None = None) -> dict | None:
+  """Spearman's rank correlation, over the runs (of ``rows_``, default all) whose weighted
+  advantage sum is not 0 by construction, between its mean over the run and the final KL from
+  the start; None with fewer than 3 such runs."""
+  import scipy.stats  # pylint: disable=g-import-not-at-top
+  pairs = [(e["adv_sum_mean"], e["kl_final"]) for e in study.values()
+           if (rows_ is None or e["row"] in rows_) and e.get("adv_sum_mean")
+           and e["kl_final"] is not None]
+  if len(pairs) < 3:
+    return None
+  rho, p = scipy.stats.spearmanr(*zip(*pairs))
+  return {"spearman": float(rho), "p": float(p), "runs": len(pairs)}
 
 
 def main(argv) -> None:
@@ -235,32 +328,45 @@ def main(argv) -> None:
     raise app.UsageError("--config.eval.every_steps must be > 0: the study needs evals")
   criteria = dict(eval_margin=_EVAL_MARGIN.value, reward_margin=_REWARD_MARGIN.value,
                   window=_WINDOW.value)
+  try:
+    seeds = [int(s) for s in _SEEDS.value or [base.seed]]
+  except ValueError:
+    raise app.UsageError(f"--seeds takes integers, got {_SEEDS.value}") from None
+  if len(set(seeds)) != len(seeds):
+    raise app.UsageError(f"--seeds repeats a seed: {_SEEDS.value}")
   began = time.perf_counter()
-  if not _SUMMARIZE_ONLY.value:
-    start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
+  start = None if _SUMMARIZE_ONLY.value else sweep.fit_supervised_start(
+      base, os.path.join(workdir, "sft"))
   study = {}
-  for name, mu in run_keys(names, mus):
-    key = f"{name}/mu{mu}"
-    run_dir = os.path.join(workdir, name, f"mu{mu}")
-    overrides = {**known[name], "train.num_iterations": mu}
-    if "estimator.stress.fraction" in overrides:
-      overrides["estimator.stress.fraction"] = _STRESS_FRACTION.value
-    if _SUMMARIZE_ONLY.value:
-      try:
-        result = sweep.finished_run(run_dir)
-      except FileNotFoundError:
-        continue
-    else:
+  for seed in seeds:  # Seed by seed: a study cut short holds whole seeds.
+    for name, mu in run_keys(names, mus):
+      key = run_name(name, mu, seed, base.seed)
+      run_dir = os.path.join(workdir, *key.split("/"))
+      overrides = {**known[name], "train.num_iterations": mu, "seed": seed}
+      if "estimator.stress.fraction" in overrides:
+        overrides["estimator.stress.fraction"] = _STRESS_FRACTION.value
       config = sweep.with_overrides(base, overrides)
-      result = sweep.train_from_start(config, start, run_dir, reuse=True)
-      print(f"{key}: {result.wall_s:.0f} s {result.stopped}", flush=True)
-    study[key] = {"row": name, "mu": mu, **run_summary(result, **criteria)}
+      result = sweep.run_or_read(config, start, run_dir, label=key,
+                                 summarize_only=_SUMMARIZE_ONLY.value)
+      if result is None:
+        continue
+      study[key] = {"row": name, "mu": mu, "seed": seed, "config_seed": base.seed,
+                    "estimator": estimator_label(config), **run_summary(result, **criteria)}
   if not study:
     raise app.UsageError(f"no finished runs in {workdir}")
   with open(os.path.join(workdir, "study.json"), "w") as f:
     json.dump(study, f, indent=1)
   plot(study, os.path.join(workdir, "study.png"))
   print("\n" + markdown_table(study))
+  print("\n" + estimator_table(study))
+  if len(seeds) > 1:
+    print("\n" + cell_table(study))
+  for label, subset in (("every run with weights", None),
+                        ("uncentred", [r for r in names if r != "stabledrl_centred"])):
+    corr = advantage_sum_kl_correlation(study, subset)
+    if corr is not None:
+      print(f"\nweighted advantage sum vs final KL, {label}: Spearman {corr['spearman']:+.2f} "
+            f"(p {corr['p']:.2g}, {corr['runs']} runs)")
   print(f"\nwall time {time.perf_counter() - began:.0f} s; wrote {workdir}/study.json and "
         "study.png")
 

@@ -434,17 +434,60 @@ def test_ratio_noise_study_runs_each_row_as_it_says():
   rows = study.rows(40)
   assert sorted(rows) == sorted([
       "grpo_sequence", "grpo_sequence_independent", "espo", "espo_independent", "stabledrl",
-      "stabledrl_fitted", "spg", "wd1", "grpo_sequence_stress", "espo_stress",
-      "stabledrl_stress", "frozen"])
+      "stabledrl_fitted", "spg", "wd1", "stabledrl_oneblock", "spg_oneblock",
+      "stabledrl_centred", "grpo_sequence_stress", "espo_stress", "stabledrl_stress", "frozen"])
   assert rows["espo_independent"]["estimator.coupled_ratio"] is False
   assert "estimator.coupled_ratio" not in rows["stabledrl"]  # its official masks: independent
   fitted = rows["stabledrl_fitted"]
   assert (fitted["estimator.block_length"], fitted["estimator.prompt_mask_prob"]) == (40, 0.0)
   assert {k: v for k, v in fitted.items() if not k.startswith("estimator.")} == rows["stabledrl"]
   assert rows["frozen"]["optimizer.learning_rate"] == 1e-12
+  for name in ("stabledrl", "spg"):  # the official rule where it runs: one block of 40
+    assert rows[f"{name}_oneblock"] == {**rows[name], "estimator.block_length": 40}
+  assert rows["stabledrl_centred"] == {**rows["stabledrl_oneblock"],
+                                       "objective.stabledrl.advantage_centering": "snis"}
   keys = study.run_keys(["stabledrl", "stabledrl_stress", "frozen"], [2, 4, 8])
   assert keys == [("stabledrl", 2), ("stabledrl", 4), ("stabledrl", 8), ("stabledrl_stress", 2),
                   ("frozen", 2)]
+
+
+def test_ratio_noise_study_names_each_estimator_for_what_it_is():
+  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  study = _load_experiment("ratio_noise_study")
+  base = config_lib.from_file(REPO / "configs" / "ratio_noise_seeds.py")
+  assert (base.rollout.group_size, base.rollout.num_prompts) == (16, 8)
+  label = lambda row: study.estimator_label(sweep.with_overrides(base, study.rows(40)[row]))
+  # 40 tokens in 32-token blocks: our 32 + 8 split; the official code raises IndexError.
+  assert label("stabledrl") == label("spg") == (
+      "block_random 32 + 8 (ours: the official code raises IndexError here), prompt 15%")
+  assert label("stabledrl_oneblock") == "block_random 1 x 40, prompt 15%"
+  assert label("stabledrl_fitted") == "block_random 1 x 40"
+  assert label("espo").endswith("l_old on the update's masks")
+
+
+def test_ratio_noise_study_summarizes_cells_over_seeds():
+  study = _load_experiment("ratio_noise_study")
+  assert study.run_name("espo", 4, 0, 0) == "espo/mu4"
+  assert study.run_name("espo", 4, 2, 0) == "espo/mu4-seed2"
+
+  def run(row, seed, final, kl, adv_sum, fell=False):
+    return {"row": row, "mu": 4, "seed": seed, "eval_final": final, "eval_best": final + 1,
+            "kl_final": kl, "adv_sum_mean": adv_sum,
+            "collapse": {"step": 9, "why": "x"} if fell else None}
+
+  runs = [run("stabledrl", 0, 10.0, 60.0, 0.3, fell=True), run("stabledrl", 1, 80.0, 5.0, 0.1),
+          run("stabledrl", 2, 70.0, 20.0, 0.2, fell=True), run("spg", 0, 85.0, 1.0, 0.0),
+          run("stabledrl_centred", 0, 84.0, 10.0, 1e-8)]
+  table = study.cell_table({str(i): e for i, e in enumerate(runs)})
+  assert "| stabledrl | 4 | 3 | 2 of 3 | 70.0 [10.0, 80.0] | 71.0 | 20 | 0.2 |" in table
+  assert "| spg | 4 | 1 | 0 of 1 | 85.0 [85.0, 85.0] |" in table
+  by_key = {str(i): e for i, e in enumerate(runs)}
+  # SPG's zero sum is left out; ranks (4, 2, 3, 1) against (4, 1, 3, 2): 1 - 6 x 2 / (4 x 15).
+  corr = study.advantage_sum_kl_correlation(by_key)
+  assert corr["runs"] == 4 and corr["spearman"] == pytest.approx(0.8)
+  corr = study.advantage_sum_kl_correlation(by_key, ["stabledrl"])
+  assert corr["runs"] == 3 and corr["spearman"] == pytest.approx(1.0)
+  assert study.advantage_sum_kl_correlation(by_key, ["spg"]) is None
 
 
 @pytest.mark.slow

@@ -164,6 +164,21 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
   return RunResult(history=history, wall_s=wall_s, stopped=stopped, config=identity)
 
 
+def run_or_read(config: ml_collections.ConfigDict | None, start: str | None, workdir: str, *,
+                label: str, summarize_only: bool) -> RunResult | None:
+  """A sweep's run: trained (or resumed, or read back) by ``train_from_start`` with reuse, its
+  time printed after ``label``; with ``summarize_only`` only the finished run in ``workdir``
+  read back, None where there is none."""
+  if summarize_only:
+    try:
+      return finished_run(workdir)
+    except FileNotFoundError:
+      return None
+  result = train_from_start(config, start, workdir, reuse=True)
+  print(f"{label}: {result.wall_s:.0f} s {result.stopped}", flush=True)
+  return result
+
+
 def _trajectory(workdir: str) -> list[dict[str, Any]]:
   """The run's metrics; a run the collapse guard restored keeps the steps as they now stand
   (``collapse.Trajectory``: a step run again replaces its first record)."""
