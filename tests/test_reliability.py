@@ -637,6 +637,24 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
     trainer.Trainer(more, str(tmp_path))
 
 
+def test_a_collapse_guard_that_never_fires_leaves_the_run_as_it_was(tmp_path):
+  """Its best-eval checkpoints and checks draw no key and touch no state: the same losses,
+  rewards and evals as the unguarded run, record for record (the guard's own fields aside)."""
+  config = _quick(**{"train.num_steps": 3, "eval.every_steps": 1,
+                     "train.collapse_guard.eval_margin": 100.0,
+                     "train.collapse_guard.reward_margin": 100.0})
+  plain = trainer.train(config, str(tmp_path / "plain"))
+  guarded = trainer.train(sweep_overrides(config, {"train.collapse_guard.enabled": True}),
+                          str(tmp_path / "guarded"))
+  assert not (tmp_path / "plain" / "best_eval_checkpoint").exists()
+  assert (tmp_path / "guarded" / "best_eval_checkpoint").exists()
+  assert len(plain) == len(guarded) == 3
+  timing = ("time", "_s", "elapsed", "per_s", "collapse_guard")
+  for a, b in zip(plain, guarded):
+    same = {k for k in a if not any(t in k for t in timing)}
+    assert {k: a[k] for k in same} == {k: b[k] for k in same}, a["step"]
+
+
 def sweep_overrides(config, updates):
   from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
   return sweep.with_overrides(config, updates)
