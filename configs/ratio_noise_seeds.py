@@ -2,7 +2,7 @@ r"""The ratio-noise study over seeds, at the official group size 16 (docs/ratio_
 
   python experiments/ratio_noise_study.py --config configs/ratio_noise_seeds.py \
       --workdir runs/ratio_noise_seeds --seeds 0,1,2 \
-      --rows stabledrl_oneblock,stabledrl_fitted,stabledrl_centred,spg_oneblock,espo
+      --rows stabledrl_oneblock,stabledrl_centred,espo,spg_oneblock,stabledrl_fitted,stabledrl
 
 configs/ratio_noise_study.py with groups of 16 samples, the paper setting's group size
 (docs/training.md, "Configs"), and 8 prompts a step, so that a step still scores 128 samples;

@@ -29,10 +29,11 @@ Runs, each from the same supervised start with the same seed and batches (quicks
 
 Each at ``--seeds`` (default: the config's own seed; another seed S runs in
 ``<row>/mu<mu>-seed<S>``, its batches, masks and held-out set drawn from S, its supervised start
-the shared one). Per run it records the rollout reward and greedy eval curves, the pre-clip gradient norm, the
-variance of log rho over the batch (``log_ratio/var``), StableDRL's effective sample size, the
-KL from the start (``kl_start/mean``), the weighted advantage sum (``weights/adv_sum_abs_mean``,
-docs/diagnostics.md) and skipped (non-finite) steps, and marks collapse:
+the shared one). Per run it records the rollout reward and greedy eval curves, the pre-clip
+gradient norm, the variance of log rho over the batch (``log_ratio/var``), StableDRL's
+effective sample size, the KL from the start (``kl_start/mean``), the weighted advantage sum
+(``weights/adv_sum_abs_mean``, docs/diagnostics.md) and skipped (non-finite) steps, and marks
+collapse:
 
 - a skipped step (a non-finite loss or gradient), or
 - greedy eval below its start by more than ``--eval_margin`` points after having risen above it
@@ -46,8 +47,9 @@ risen is marked ``degraded`` instead (it never learned; it did not collapse).
 Finished runs with the same config are read back, and a cut run resumes from its checkpoint, so
 the study can be continued in several sittings. Writes ``<workdir>/study.json``, draws
 ``<workdir>/study.png`` and prints the table in Markdown; with several seeds also a table per
-cell (the fraction of seeds that collapse, the median final eval) and the rank correlation, over
-the runs with SNIS weights, between the mean weighted advantage sum and the final KL.
+cell (the fraction of seeds that collapse, the median final eval); and the rank correlation, over
+the runs with SNIS weights, between the mean weighted advantage sum (of the uncentred
+advantages, also in a centred run) and the final KL.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def run_name(row: str, mu: int, seed: int, config_seed: int) -> str:
 
 
 def estimator_label(config) -> str:
-  """What the run's likelihood estimator is, e.g. 'block_random 32 + 8 (ours), prompt 15%'."""
+  """What the run's likelihood estimator is, e.g. 'block_random 1 x 40, prompt 15%'; a block
+  split the official code cannot run is marked ours."""
   from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
   settings = specs.estimator_settings(config)
   label = settings["method"]
@@ -361,8 +364,9 @@ def main(argv) -> None:
   print("\n" + estimator_table(study))
   if len(seeds) > 1:
     print("\n" + cell_table(study))
-  for label, subset in (("every run with weights", None),
-                        ("uncentred", [r for r in names if r != "stabledrl_centred"])):
+  # The logged sum is the uncentred advantages': in a centred run, what the centring removes.
+  for label, subset in (("uncentred runs", [r for r in names if r != "stabledrl_centred"]),
+                        ("every run with weights, centred ones too", None)):
     corr = advantage_sum_kl_correlation(study, subset)
     if corr is not None:
       print(f"\nweighted advantage sum vs final KL, {label}: Spearman {corr['spearman']:+.2f} "
