@@ -295,8 +295,8 @@ def cell_table(study: dict) -> str:
 
 def advantage_sum_kl_correlation(study: dict, rows_: list[str] | None = None) -> dict | None:
   """Spearman's rank correlation, over the runs (of ``rows_``, default all) whose weighted
-  advantage sum is not 0 by construction, between its mean over the run and the final KL from
-  the start; None with fewer than 3 such runs."""
+  advantage sum is not 0 by construction (SPG's, wd1's), between its mean over the run and the
+  final KL from the start; None with fewer than 3 such runs."""
   import scipy.stats  # pylint: disable=g-import-not-at-top
   pairs = [(e["adv_sum_mean"], e["kl_final"]) for e in study.values()
            if (rows_ is None or e["row"] in rows_) and e.get("adv_sum_mean")
@@ -365,11 +365,15 @@ def main(argv) -> None:
   if len(seeds) > 1:
     print("\n" + cell_table(study))
   # The logged sum is the uncentred advantages': in a centred run, what the centring removes.
-  for label, subset in (("uncentred runs", [r for r in names if r != "stabledrl_centred"]),
-                        ("every run with weights, centred ones too", None)):
+  # ESPO's is of its clipped PPO coefficients (docs/diagnostics.md): each objective apart.
+  of = lambda objective: [r for r in names if split_row(r)[0] == objective]
+  for label, subset in (
+      ("StableDRL, uncentred", [r for r in of("stabledrl") if r != "stabledrl_centred"]),
+      ("StableDRL, centred runs too", of("stabledrl")), ("ESPO", of("espo")),
+      ("sequence-level GRPO", of("grpo_sequence"))):
     corr = advantage_sum_kl_correlation(study, subset)
     if corr is not None:
-      print(f"\nweighted advantage sum vs final KL, {label}: Spearman {corr['spearman']:+.2f} "
+      print(f"\nmean weighted advantage sum vs final KL, {label}: Spearman {corr['spearman']:+.2f} "
             f"(p {corr['p']:.2g}, {corr['runs']} runs)")
   print(f"\nwall time {time.perf_counter() - began:.0f} s; wrote {workdir}/study.json and "
         "study.png")
