@@ -396,6 +396,24 @@ def test_a_full_disk_while_a_checkpoint_is_written_names_it(tmp_path, monkeypatc
   assert list((tmp_path / checkpointing.CHECKPOINT_DIR).iterdir()) == []
 
 
+def test_a_failed_saves_late_writes_are_removed_when_the_checkpointer_closes(tmp_path,
+                                                                             monkeypatch):
+  """orbax writes a save's items in several threads: when one fails, another may still write
+  into ``<step>.orbax-checkpoint-tmp*`` after the failure is raised, so what it leaves goes at
+  ``close`` (CI once found such a directory after the full-disk test above)."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  directory = tmp_path / checkpointing.CHECKPOINT_DIR
+  _full_disk_after(monkeypatch, type(epath.Path(tmp_path)), "write_text", directory)
+  checkpointer = checkpointing.Checkpointer(str(tmp_path))
+  with pytest.raises(checkpointing.WorkdirError, match="no space left"):
+    checkpointer.save(1, {"w": jnp.ones(3)}, {"step": 1})
+    checkpointer.wait()
+  late = directory / "1.orbax-checkpoint-tmp-42" / "state"
+  late.mkdir(parents=True)  # What a thread still running wrote after the failure was raised.
+  checkpointer.close()
+  assert list(directory.iterdir()) == []
+
+
 def test_a_run_whose_every_step_skipped_fails_under_max_consecutive_skips(tmp_path):
   """Every update non-finite, fewer in a row than the limit: no checkpoint, an error."""
   config = _quick(**{"objective.name": "nan_test", "train.max_consecutive_skips": 100})
@@ -585,6 +603,15 @@ def test_the_collapse_rule_is_the_studys():
   reward = [{"step": s, "rewards/correctness": r} for s, r in
             enumerate([0.1, 0.1, 0.2, 0.2, 0.05, 0.05], start=1)]
   assert "reward" in collapse.first_collapse(reward, rules)["why"]
+  # The earliest sign, whichever rule gives it: the reward falls at step 6, the eval at step 7
+  # (as in ESPO's seed-0 run at mu = 4, docs/reliability.md, which the guard caught at the
+  # reward's step while the whole trajectory's eval rule fires later).
+  both = reward + [{"step": 0, "eval/accuracy": 10.0}, {"step": 3, "eval/accuracy": 13.0},
+                   {"step": 7, "eval/accuracy": 7.0}]
+  assert collapse.first_collapse(both, rules) == {
+      "step": 6, "why": "reward 0.050 < first 0.100 after rising"}
+  late = [dict(r, step=r["step"] + 10) if "rewards/correctness" in r else r for r in both]
+  assert collapse.first_collapse(late, rules)["step"] == 7  # The eval's step, now the earlier.
   # A step run again after a restore replaces the first; the guard's own records are not steps.
   trajectory = collapse.Trajectory([{"step": 1, "eval/accuracy": 1.0}, {"step": 2, "x": 1},
                                     {"step": 2, "collapse_guard/lr_scale": 0.5},

@@ -175,6 +175,7 @@ class Checkpointer:
                                              cleanup_tmp_directories=not is_local(self.directory))
     self._read_only = read_only
     self._pending = None  # The step of the save in flight, if any.
+    self._failed = None  # The step of a save that failed: its temporary directory goes at close.
     with writing(self.directory):
       if not read_only:
         workdir_files.make_dir(self.directory)  # A real directory, not a link out.
@@ -212,8 +213,10 @@ class Checkpointer:
         yield
     except BaseException:
       self._pending = None
-      if step is not None and jax.process_index() == 0:
-        self._remove_unfinished(step)
+      if step is not None:
+        self._failed = step
+        if jax.process_index() == 0:
+          self._remove_unfinished(step)
       raise
 
   def _remove_unfinished(self, step: int | None = None) -> None:
@@ -288,7 +291,9 @@ class Checkpointer:
     self._pending = None
 
   def close(self) -> None:
-    """Waits for the saves in flight (``WorkdirError`` if one failed), then closes."""
+    """Waits for the saves in flight (``WorkdirError`` if one failed), then closes; a failed
+    save's temporary directory is removed once orbax's threads have all stopped (one of them may
+    still be writing into it when the first one fails)."""
     try:
       self.wait()
     finally:
@@ -296,6 +301,8 @@ class Checkpointer:
         self._manager.close()
       except Exception:  # pylint: disable=broad-except
         pass  # The failed save's own error again: ``wait`` raised it (or the save did).
+      if self._failed is not None and jax.process_index() == 0:
+        self._remove_unfinished(self._failed)
 
 
 def abstract_like(tree: Any) -> Any:

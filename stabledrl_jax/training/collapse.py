@@ -22,6 +22,8 @@ import json
 import statistics
 from typing import Any, Mapping, Sequence
 
+# The reward the rules (and the sweeps) watch: the task's correctness term (every task has one),
+# without the terms every completion gets (StableDRL's anti-short-boxed reward).
 REWARD_METRIC = "rewards/correctness"
 EVAL_METRIC = "eval/accuracy"
 ACTIONS = ("restore", "stop")
@@ -41,7 +43,8 @@ class Rules:
 
 
 def first_collapse(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
-  """The first sign of collapse in a trajectory, ``{"step", "why"}``, or None.
+  """The first sign of collapse in a trajectory, ``{"step", "why"}``, or None: the earliest step
+  at which any rule fires (on a tie: skipped updates, then the eval, then the reward).
 
   Args:
     records: the trajectory's metrics records in step order, each with ``step`` and any of
@@ -50,11 +53,21 @@ def first_collapse(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[s
     rules: the criteria.
   """
   steps = [r for r in records if REWARD_METRIC in r]
+  signs = [sign for sign in (_skipped_sign(steps, rules), _eval_sign(records, rules),
+                             _reward_sign(steps, rules)) if sign is not None]
+  return min(signs, key=lambda sign: sign["step"]) if signs else None
+
+
+def _skipped_sign(steps: list[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
   for r in steps:
     skipped = int(float(r.get("skipped_steps", 0)))
     if skipped >= rules.max_skipped:
       return {"step": int(r["step"]), "why": ("a non-finite update was skipped" if skipped == 1
                                               else f"{skipped} non-finite updates were skipped")}
+  return None
+
+
+def _eval_sign(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
   evals = sorted((int(r["step"]), float(r[EVAL_METRIC])) for r in records if EVAL_METRIC in r)
   if evals:
     start, rose = evals[0][1], False
@@ -62,6 +75,10 @@ def first_collapse(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[s
       rose = rose or value >= start + rules.eval_margin
       if rose and value <= start - rules.eval_margin:
         return {"step": step, "why": f"eval {value:.1f} < start {start:.1f} after rising"}
+  return None
+
+
+def _reward_sign(steps: list[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
   rewards = [float(r[REWARD_METRIC]) for r in steps]
   window = rules.window
   if len(rewards) >= 2 * window:

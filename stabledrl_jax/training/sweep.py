@@ -21,9 +21,8 @@ from stabledrl_jax.training import collapse, metrics_writer, supervised, trainer
 
 _RESULT_FILE = "run_result.json"
 _BEGUN_FILE = "run_config.json"  # Written when a run starts: a cut run of this config resumes.
-# The reward the sweeps report: the task's correctness term (every task has one), without the
-# terms every completion gets (StableDRL's anti-short-boxed reward).
-REWARD_METRIC = "rewards/correctness"
+# The reward the sweeps report (the collapse rule's, written once there).
+REWARD_METRIC = collapse.REWARD_METRIC
 
 # A toy-size run of the quickstart-based configs (seconds per run): the experiments' tests, and
 # the notebooks where TOY_ENV is "1" (CI's notebook tests run their cells at this size).
