@@ -23,6 +23,8 @@ import dataclasses
 import fractions
 import operator
 
+from stabledrl_jax import pyast
+
 MAX_EXPRESSION_CHARS = 512
 MAX_NESTING_DEPTH = 32
 MAX_MAGNITUDE = 10**15
@@ -253,7 +255,7 @@ def python_value(expression: str) -> int | float | complex | None:
   if not isinstance(expression, str):
     return None
   try:
-    tree = ast.parse(expression.lstrip(" \t"), mode="eval")  # eval strips these too.
+    tree = pyast.parse(expression.lstrip(" \t"), mode="eval")  # eval strips these too.
     return _python_value(tree)
   except (_Rejected, SyntaxError, ValueError, TypeError, ZeroDivisionError, OverflowError,
           RecursionError, MemoryError):

@@ -19,6 +19,8 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from stabledrl_jax import pyast
+
 
 def base_config() -> ml_collections.ConfigDict:
   """Every field, with the paper-scale defaults (docs/training.md, "Configs") where they apply."""
@@ -199,7 +201,7 @@ def objective_sections() -> dict[str, ml_collections.ConfigDict]:
   the dataclass stays the only place a field is listed (tests/test_validation.py holds the
   sections to the registered dataclasses).
   """
-  trees = [ast.parse(path.read_text(), str(path))
+  trees = [pyast.parse(path.read_text(), str(path))
            for path in sorted(_package_dir("objectives").glob("*.py"))]
   classes = {node.name: node for tree in trees for node in ast.walk(tree)
              if isinstance(node, ast.ClassDef)}
@@ -228,7 +230,7 @@ def estimator_option_fields() -> dict[str, Any]:
   Read from the module's source (``ast``), not imported: loading a config loads no JAX. A
   plugin method's own options are fields a config file adds (tests/test_plugins.py).
   """
-  tree = ast.parse((_package_dir("estimators").with_suffix(".py")).read_text())
+  tree = pyast.parse((_package_dir("estimators").with_suffix(".py")).read_text())
   functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
   fields = {}
   for call in ast.walk(tree):
