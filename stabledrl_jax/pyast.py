@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ast
 
-# Rebuilds after a mismatch before the error is raised: each needs another thread to switch in
-# during the construction, so more than one in a row is already rare.
-MAX_ATTEMPTS = 8
+# Builds before the mismatch is raised. Each failed one needs another thread to have switched in
+# during the construction (on a loaded machine, with a thread that parses all the time, one build
+# in eight); a build after a mismatch costs what the parse costs.
+MAX_ATTEMPTS = 100
 
 _MISMATCH = "AST constructor recursion depth mismatch"
 _ast_parse = ast.parse  # The parse that is retried (tests replace it here, not in ast).
@@ -30,6 +31,8 @@ def parse(source: str, filename: str = "<unknown>", mode: str = "exec") -> ast.A
     try:
       return _ast_parse(source, filename, mode)
     except SystemError as error:
-      if _MISMATCH not in str(error) or attempt == MAX_ATTEMPTS - 1:
+      if _MISMATCH not in str(error):
         raise
+      if attempt == MAX_ATTEMPTS - 1:
+        raise SystemError(f"{error}, {MAX_ATTEMPTS} parses in a row") from error
   raise AssertionError("unreachable")
