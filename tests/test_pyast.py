@@ -1,4 +1,5 @@
-"""pyast.parse: a parse beside another thread's parse (python/cpython#106905, docs/reliability.md)."""
+"""pyast.parse: a parse beside another thread's parse (python/cpython#106905; see
+docs/reliability.md)."""
 
 import ast
 import sys
@@ -64,8 +65,8 @@ class _Finalized:
 
 
 def _parse_beside_a_thread(parse, *, until_errors, seconds):
-  """Parses an expression while another thread parses; (parses, [SystemError messages]) after ``seconds``
-  or ``until_errors`` errors. The main thread makes garbage with finalizers, so that the
+  """Parses an expression while another thread parses; (parses, [SystemError messages]) after
+  ``seconds`` or ``until_errors`` errors. The main thread makes garbage with finalizers, so that the
   collector runs Python code (and lets the other thread in) inside an AST construction."""
   stop = threading.Event()
 

