@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -411,6 +412,43 @@ def test_a_failed_saves_late_writes_are_removed_when_the_checkpointer_closes(tmp
   late = directory / "1.orbax-checkpoint-tmp-42" / "state"
   late.mkdir(parents=True)  # What a thread still running wrote after the failure was raised.
   checkpointer.close()
+  assert list(directory.iterdir()) == []
+
+
+def test_a_failed_save_whose_other_threads_write_late_leaves_nothing_after_close(tmp_path,
+                                                                               monkeypatch):
+  """The race CI once hit (``1.orbax-checkpoint-tmp`` found after ``close``): the checkpoint
+  metadata's write fails while an executor thread of the save (``asyncio_N``, which the
+  manager's close does not wait for) still has a write to make, 1 s later, creating its
+  directories again as tensorstore does. ``close`` waits for that thread before it removes the
+  staging directory, so nothing comes back after it."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  directory = tmp_path / checkpointing.CHECKPOINT_DIR
+  cls = type(epath.Path(tmp_path))
+  real = cls.write_text
+  late = []
+
+  def late_write():
+    time.sleep(1.0)
+    target = directory / "1.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp" / "ocdbt"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "manifest").write_bytes(b"late")
+
+  def write_text(self, data, *args, **kwargs):
+    if str(directory) in str(self) and self.name == "_CHECKPOINT_METADATA":
+      if not late:
+        late.append(threading.Thread(target=late_write, name="asyncio_99"))
+        late[0].start()
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, data, *args, **kwargs)
+
+  monkeypatch.setattr(cls, "write_text", write_text)
+  checkpointer = checkpointing.Checkpointer(str(tmp_path))
+  with pytest.raises(checkpointing.WorkdirError, match="no space left"):
+    checkpointer.save(1, {"w": jnp.ones(3)}, {"step": 1})
+    checkpointer.wait()
+  checkpointer.close()
+  assert late and not late[0].is_alive()  # close waited for it
   assert list(directory.iterdir()) == []
 
 

@@ -176,6 +176,7 @@ class Checkpointer:
     self._read_only = read_only
     self._pending = None  # The step of the save in flight, if any.
     self._failed = None  # The step of a save that failed: its temporary directory goes at close.
+    self._threads_before_save = frozenset()  # The threads alive when the last save began.
     with writing(self.directory):
       if not read_only:
         workdir_files.make_dir(self.directory)  # A real directory, not a link out.
@@ -199,6 +200,7 @@ class Checkpointer:
     """
     self.wait()  # The save before it: its failure names its own step.
     self._pending = step
+    self._threads_before_save = frozenset(threading.enumerate())
     with self._failing_save():
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -302,7 +304,26 @@ class Checkpointer:
       except Exception:  # pylint: disable=broad-except
         pass  # The failed save's own error again: ``wait`` raised it (or the save did).
       if self._failed is not None and jax.process_index() == 0:
+        _join_save_threads(self._threads_before_save)
         self._remove_unfinished(self._failed)
+
+
+# How long ``close`` waits for the threads of a failed save to stop before removing what it
+# staged (they end within milliseconds of their last write; a full disk fails each write fast).
+SAVE_THREADS_JOIN_S = 30.0
+
+
+def _join_save_threads(before: frozenset, timeout_s: float = SAVE_THREADS_JOIN_S) -> None:
+  """Waits, up to ``timeout_s`` in all, for the threads a save started that may still write:
+  orbax's own (the first failure is raised while the other items' threads run on) and the
+  asyncio executor threads its coroutines write through (``asyncio_N``)."""
+  end = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if thread in before or thread is threading.current_thread():
+      continue
+    if type(thread).__module__.startswith("orbax") or thread.name.startswith("asyncio_"):
+      # threading.Thread.join: orbax's own join re-raises the thread's error (already raised).
+      threading.Thread.join(thread, max(end - time.monotonic(), 0.0))
 
 
 def abstract_like(tree: Any) -> Any:
