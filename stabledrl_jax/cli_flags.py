@@ -123,6 +123,9 @@ def check_config_flags(argv: list[str]) -> None:
     return  # absl reports the missing required flag.
   path, colon, arg = value.partition(":")
   if not os.path.isfile(path):
+    if os.path.exists(path):  # A FIFO, a directory, a device: said, never opened.
+      from stabledrl_jax import workdir_files  # pylint: disable=g-import-not-at-top
+      workdir_files.regular_file(path, "--config", error=ValueError)
     raise _missing_file(path)
   try:
     config = config_lib.from_file(path, arg if colon else None)

@@ -30,10 +30,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import re
+import signal
 import sys
 import time
 from typing import Any, Sequence
@@ -45,7 +45,7 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from stabledrl_jax import hub, models, scoring, tasks, workdir_files
+from stabledrl_jax import hub, models, path_args, scoring, tasks, workdir_files
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models.llada import sampler as llada_sampler
@@ -226,8 +226,10 @@ def _check_sizes(batch_size: int, shard_size: int) -> None:
 def _check_finished(path: pathlib.Path, header: dict[str, Any],
                     examples: Sequence[tasks.Example]) -> None:
   """Raises ValueError unless the shard at `path` was written with `header` for `examples`."""
+  # A FIFO or a device named like the shard is one line naming it, never opened.
+  text = workdir_files.read_bytes(path, "generation file", error=ValueError)
   try:
-    written = json.loads(path.read_text(encoding="utf-8"))
+    written = json.loads(text)
   except ValueError as error:
     raise ValueError(f"{path} is not a readable generation file ({error}); delete it to decode "
                      "its shard again") from None
@@ -402,6 +404,18 @@ def _check_decoding(settings: Sequence[SamplerSettings], model_config: Any, wher
       raise ValueError(f"{where} (a {family} checkpoint): {error}") from None
 
 
+def _check_positions(gen_length: int, model_config: Any) -> None:
+  """Raises ValueError naming ``--gen_lengths`` if a completion of ``gen_length`` tokens alone
+  exceeds the positions the model is made for (``Family.max_positions``: config.json's
+  max_position_embeddings, LLaDA's max_sequence_length). Prompt and completion together may go
+  past them, as the official evaluations allow: rotary positions go on there."""
+  family = family_lib.of(model_config)
+  limit = family.max_positions(model_config)
+  if limit is not None and gen_length > limit:
+    raise ValueError(f"--gen_lengths {gen_length}: more than the {limit} positions the "
+                     f"{family.name} model is made for; use at most {limit}")
+
+
 def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   """Generates the missing shards of every task and length, then scores OUTPUT_DIR.
 
@@ -415,9 +429,10 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if not isinstance(options.limit, int) or options.limit < 0:
     raise ValueError(f"--limit must be >= 1 (or 0, the default: every example), got "
                      f"{options.limit}")
-  if not math.isfinite(options.temperature) or options.temperature < 0:
-    raise ValueError(f"--temperature must be finite and >= 0 (0: greedy), got "
-                     f"{options.temperature}")
+  if not 0 <= options.temperature <= decoding.MAX_TEMPERATURE:  # NaN is not.
+    raise ValueError(f"--temperature must be finite and >= 0, at most "
+                     f"{decoding.MAX_TEMPERATURE:g} (0: greedy; far above 1 the completions are "
+                     f"close to uniform noise), got {options.temperature}")
   names = task_names(options.task)
   sources = data_sources(options.data, names)
   if not options.gen_lengths:
@@ -426,6 +441,11 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if options.model_name and not _MODEL_NAME.fullmatch(options.model_name):
     raise ValueError(f"model name {options.model_name!r} may hold only letters, digits, '.' "
                      "and '-' (its fields are split on '_')")
+  path_args.check(options.output_dir, "--output_dir")  # Empty: the current directory.
+  if options.output:  # '' is OUTPUT_DIR/results.json.
+    path_args.check(options.output, "--output")
+  if any(not isinstance(n, int) or n < 1 for n in options.gen_lengths):
+    raise ValueError(f"--gen_lengths must be positive integers, got {list(options.gen_lengths)}")
   if multihost.is_primary():  # Before any decoding: a run must not end unable to write.
     workdir_files.check_writable(options.output_dir, "--output_dir")
     if options.output:
@@ -447,12 +467,12 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   model_config = checkpoint_source.model_config(source, dtype=dtype)
   settings = decoding_settings(options, model_config)
   _check_decoding(settings, model_config, source.path)  # No weight is read yet.
+  _check_positions(max(options.gen_lengths), model_config)
   tokenizer = checkpoint_source.load_tokenizer(source, options.tokenizer)
   data.check_tokenizer(model_config, tokenizer)
   test_sets = {name: load_test_set(name, sources[name], data_dir=options.data_dir,
                                    limit=options.limit, seed=options.seed,
                                    workdir_config=source.config) for name in names}
-  model = checkpoint_source.load_model(source, mesh=mesh, dtype=dtype)
 
   # A workdir's prompts are those it trained on; d1's carry the task's instruction.
   with_instruction = options.with_instruction
@@ -469,22 +489,25 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if prefix is None:
     prefix = default_assistant_prefix(tokenizer, template)
   style = PromptStyle(with_instruction, prefix, options.prompt_length, template)
+  # Each task's prompt layout, before any weight is read.
+  styles = {name: block_aligned(style, tokenizer, tasks.get_task(name), test_sets[name],
+                                family_lib.block_size(model_config), settings)
+            for name in names}
   if multihost.is_primary():
     note = guess_note(source, options, style, sources)
     if note:
       print(note, file=sys.stderr)
+  model = checkpoint_source.load_model(source, mesh=mesh, dtype=dtype)
   model_name = options.model_name or model_name_of(source.name)
   # d1's fields: the base model, and what was loaded into it ('' for none).
   metadata = {"model_path": source.path, "checkpoint_path": (
       source.checkpoint_path if source.kind == checkpoint_source.WORKDIR else "")}
   key = jax.random.key(options.seed)
   for name in names:
-    task_style = block_aligned(style, tokenizer, tasks.get_task(name), test_sets[name],
-                               family_lib.block_size(model), settings)
     for setting in settings:
       generate_shards(model, tokenizer, tasks.get_task(name), test_sets[name], setting,
                       output_dir=options.output_dir, model_name=model_name, mesh=mesh, key=key,
-                      style=task_style, batch_size=options.batch_size,
+                      style=styles[name], batch_size=options.batch_size,
                       shard_size=options.shard_size,
                       process_index=jax.process_index(), process_count=jax.process_count(),
                       metadata=metadata)
@@ -537,13 +560,15 @@ def define_flags() -> None:
   flags.DEFINE_list("task", None, "gsm8k, math500, countdown, sudoku (comma-separated) or all.")
   flags.DEFINE_string("output_dir", None, "Where the generation files and results.json go.")
   flags.DEFINE_list("gen_lengths", [str(n) for n in defaults.gen_lengths],
-                    "Generation lengths, each a multiple of the block length.")
+                    "Generation lengths, each a multiple of the block length, at most the "
+                    "model's positions (config.json's max_position_embeddings).")
   flags.DEFINE_integer("step", None, "Checkpoint step of a workdir (default: the latest).")
   flags.DEFINE_integer("steps", defaults.steps, "Denoising steps (0: gen_length / 2, d1's).")
   flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size "
                        "(default: the model family's official evaluation: 32 for LLaDA, d1's; "
                        "the whole completion for Dream).")
-  flags.DEFINE_float("temperature", defaults.temperature, "Sampling temperature (0: greedy).")
+  flags.DEFINE_float("temperature", defaults.temperature, "Sampling temperature (0: greedy; at "
+                     "most 100).")
   flags.DEFINE_string("remasking", defaults.remasking,
                       "Remasking rule, any the model's sampler takes (LLaDA: low_confidence, "
                       "random, threshold; SDAR: low_confidence, low_confidence_static, "
@@ -608,6 +633,10 @@ def options_from_flags() -> Options:
   return Options(**values)
 
 
+# The command line's Ctrl-C handling (``run_cli``); none in-process.
+_INTERRUPTS: list[Any] = []
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -616,15 +645,29 @@ def main(argv: Sequence[str]) -> None:
   try:
     multihost.initialize_from_flags(force=flags.FLAGS.distributed)
     run(options_from_flags())
+  except KeyboardInterrupt:
+    # Ctrl-C: the finished shards are kept (each written whole); exit at once, skipping the
+    # interpreter's teardown (XLA's threads may still run a computation).
+    print(f"\nInterrupted: stopped; the finished generation files in "
+          f"{flags.FLAGS.output_dir} are kept: rerun the same command to continue.",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signal.SIGINT)  # pylint: disable=protected-access
   except (ValueError, FileNotFoundError, NotImplementedError, ImportError, KeyError,
           workdir_files.WorkdirError) as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(1)
+  for interrupts in _INTERRUPTS:  # Done: a Ctrl-C from here ends the process at once.
+    interrupts.exit_at_first()
 
 
 def run_cli() -> None:
-  """The console script ``stabledrl-evaluate``."""
+  """The console script ``stabledrl-evaluate``: the first Ctrl-C stops it (the finished
+  shards are kept), a second exits 130 at once even inside a long jitted call
+  (``preemption.CommandLineInterrupts``)."""
+  from stabledrl_jax.training import preemption  # pylint: disable=g-import-not-at-top
   define_flags()
+  _INTERRUPTS[:] = [preemption.CommandLineInterrupts(raise_first=True)]
   app.run(main)
 
 

@@ -51,7 +51,7 @@ import re
 import sys
 from typing import Sequence
 
-from stabledrl_jax import workdir_files
+from stabledrl_jax import path_args, workdir_files
 
 DTYPES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)B?", re.IGNORECASE)
@@ -81,7 +81,9 @@ def tokenizer_dir(source) -> str | None:
 
 def check_output(output: str, *, overwrite: bool = False) -> None:
   """ValueError naming ``--output`` unless it is, or can be created as, a writable directory
-  that is empty (or may be replaced: ``overwrite``); nothing is created here."""
+  that is empty (or may be replaced: ``overwrite``); nothing is created here. An empty or
+  non-UTF-8 name is refused (``path_args.check``)."""
+  path_args.check(output, "--output")
   path = pathlib.Path(os.path.abspath(output))
   if path.is_symlink():
     raise ValueError(f"--output {output!r} is a symbolic link (to {os.readlink(path)}): name "
@@ -156,10 +158,12 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
         models.save_pretrained(model, os.fspath(staging), max_shard_bytes=max_shard_bytes)
       if directory is not None:
         for name in hub.TOKENIZER_FILES:
-          path = os.path.join(directory, name)
-          if os.path.isfile(path):
-            with open(path, "rb") as file:
-              workdir_files.write_bytes(os.path.join(staging, name), file.read())
+          # An input: a FIFO or a device there is one line naming it (a ValueError, not the
+          # output's WorkdirError), never opened.
+          content = workdir_files.read_bytes(os.path.join(directory, name), "tokenizer file",
+                                             error=ValueError, missing_ok=True)
+          if content is not None:
+            workdir_files.write_bytes(os.path.join(staging, name), content)
             copied.append(name)
       if record is not None:
         workdir_files.write_text(os.path.join(staging, checkpoint_source.EXPORT_FILE),

@@ -21,11 +21,10 @@ import json
 import os
 import pathlib
 import re
-import stat
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
-from stabledrl_jax import input_files, tasks, workdir_files
+from stabledrl_jax import tasks, workdir_files
 
 _GENERATION_FILE = re.compile(r"(?P<setup>.+)_(?P<shard>\d+)_generations\.json")
 
@@ -132,28 +131,20 @@ MAX_GENERATION_FILE_BYTES = 1 << 30
 def _read_regular_file(path: pathlib.Path) -> str:
   """The UTF-8 text of a regular file; ValueError naming it for anything else.
 
-  The file's type is checked with os.stat before it is opened, so a FIFO or a device named like
-  a generation file is never opened (reading a FIFO would wait for a writer forever). Should
-  the path be replaced by one after the check, the non-blocking open and the fstat refuse it.
+  ``workdir_files.open_regular``: the file's type is checked with os.stat before it is opened,
+  so a FIFO or a device named like a generation file is never opened (reading a FIFO would
+  wait for a writer forever). Should the path be replaced by one after the check, the
+  non-blocking open and the fstat refuse it.
   """
-  try:
-    info = os.stat(path)
-  except OSError as error:
-    raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
-  if not stat.S_ISREG(info.st_mode):
-    raise ValueError(f"{path}: {input_files.kind_of(info.st_mode)}, not a regular file")
-  if info.st_size > MAX_GENERATION_FILE_BYTES:
-    raise ValueError(f"{path}: {info.st_size} bytes, over the {MAX_GENERATION_FILE_BYTES} of "
-                     "a generation file")
-  try:
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(descriptor, "rb") as file:
-      mode = os.fstat(file.fileno()).st_mode
-      if not stat.S_ISREG(mode):
-        raise ValueError(f"{path}: {input_files.kind_of(mode)}, not a regular file")
+  with workdir_files.open_regular(path, "rb", error=ValueError) as file:
+    size = os.fstat(file.fileno()).st_size
+    if size > MAX_GENERATION_FILE_BYTES:
+      raise ValueError(f"{path}: {size} bytes, over the {MAX_GENERATION_FILE_BYTES} of a "
+                       "generation file")
+    try:
       data = file.read(MAX_GENERATION_FILE_BYTES + 1)
-  except OSError as error:
-    raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+    except OSError as error:
+      raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
   if len(data) > MAX_GENERATION_FILE_BYTES:
     raise ValueError(f"{path}: over the {MAX_GENERATION_FILE_BYTES} bytes of a generation file")
   try:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from stabledrl_jax import hub, input_files
+from stabledrl_jax import hub, input_files, workdir_files
 
 # ---------------------------------------------------------------------------
 # Batching shared by both tokenizers.
@@ -232,10 +232,13 @@ class HFTokenizer(_BatchMixin):
     reason = input_files.problem(path, allow_empty=True)
     if reason is not None:  # Missing, a FIFO (never opened), unreadable.
       raise FileNotFoundError(f"no tokenizer file at {path} ({reason})")
-    if path.stat().st_size == 0:
+    # Read here, only as the regular file just checked (a FIFO put there since is never
+    # opened: ``workdir_files.open_regular``), and parsed from the text.
+    text = workdir_files.read_bytes(path, "tokenizer file", error=TokenizerError)
+    if not text:
       raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json: empty")
     try:
-      tokenizer = tokenizers.Tokenizer.from_file(str(path))
+      tokenizer = tokenizers.Tokenizer.from_str(text.decode("utf-8"))
     except Exception as error:  # pylint: disable=broad-except  (the Rust parser's plain Exception)
       raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json: "
                            f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"

@@ -12,7 +12,9 @@ Several processes (docs/pods.md): on a TPU pod slice, under Slurm or Open MPI, r
 command on every host and the processes find each other. Elsewhere add ``--coordinator_address
 HOST:PORT --num_processes N --process_id I``. SIGTERM saves a checkpoint at the next step
 boundary and exits 0 (within ``train.stop_grace_s``, else it exits 143 at once, keeping the last
-checkpoint); Ctrl-C does the same, and a second Ctrl-C exits 130 at once.
+checkpoint); Ctrl-C does the same, and a second Ctrl-C exits 130 at once (also once the run
+has stopped, while it finishes its saves and exits). An empty or non-UTF-8 ``--workdir`` is
+refused before anything is written.
 """
 
 import logging as std_logging
@@ -22,7 +24,7 @@ import sys
 
 from absl import app, flags, logging
 
-from stabledrl_jax import cli_flags, libtpu_env
+from stabledrl_jax import cli_flags, libtpu_env, path_args
 from stabledrl_jax.training import multihost
 
 _CONFIG = cli_flags.CONFIG
@@ -40,6 +42,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
+  try:  # Before anything is written (an empty --workdir would be the current directory).
+    path_args.check(_WORKDIR.value, "--workdir")
+  except ValueError as error:
+    if _VERBOSE.value:
+      raise
+    sys.exit(f"error: {error}")
   libtpu_env.log_into(_WORKDIR.value)  # Before any backend starts.
   try:
     multihost.initialize_from_flags()
@@ -68,7 +76,14 @@ def quiet_after_error() -> None:
 
 
 def run() -> None:
-  """The console script: ``--config NAME`` resolved to the shipped file, then absl."""
+  """The console script: ``--config NAME`` resolved to the shipped file, then absl.
+
+  Outside the trainer's own handling of signals (validation, the gaps of the build, the
+  teardown after a stop), a Ctrl-C ends the process at once with status 130
+  (``preemption.CommandLineInterrupts``): never a KeyboardInterrupt traceback from an atexit
+  callback, nor exit status 0."""
+  from stabledrl_jax.training import preemption  # pylint: disable=g-import-not-at-top
+  preemption.CommandLineInterrupts()
   app.run(main, argv=cli_flags.resolve_argv(sys.argv))
 
 

@@ -15,6 +15,13 @@ records, export and evaluation writes through these functions (docs/reliability.
 * Any ``OSError`` (a full disk, no permission) is a ``WorkdirError``, one line naming the path
   and the reason (``writing``); what a failed write staged is removed.
 
+And the one way a file of the workdir or of an input (a checkpoint, an adapter, a tokenizer, a
+data file) is read: only once it is known to be a regular file (``open_regular``,
+``read_text``, ``read_bytes``; ``regular_file`` where a library opens it by name; ``check_tree``
+for a directory a library reads whole, an orbax step). A FIFO, a device, a socket or a
+directory, or a link to one, is one line in the caller's error type, "<what> <path>: a FIFO,
+not a regular file", and is never opened: opening a FIFO waits for a writer for good.
+
 Standard library and etils only: every layer may import it.
 """
 
@@ -30,6 +37,8 @@ import tempfile
 from typing import Iterator
 
 from etils import epath
+
+from stabledrl_jax import input_files  # Standard library only.
 
 # Staging names start with this prefix; a leftover one (a kill mid-write) is recognisable.
 STAGING_PREFIX = ".staging-"
@@ -101,8 +110,9 @@ def make_dir(path: epath.PathLike) -> epath.Path:
   with writing(path):
     if is_local(path):
       _refuse_link(os.fspath(path), "directory")
-      if os.path.exists(path) and not os.path.isdir(path):
-        raise WorkdirError(f"cannot write {path}: a file is in the way of a directory")
+      if os.path.exists(path) and not os.path.isdir(path):  # Its kind named: "a FIFO is ...".
+        kind = input_files.kind_of(os.stat(path).st_mode).replace("a regular file", "a file")
+        raise WorkdirError(f"cannot write {path}: {kind} is in the way of a directory")
     path.mkdir(parents=True, exist_ok=True)
   return path
 
@@ -153,16 +163,12 @@ def write_text(path: epath.PathLike, text: str) -> None:
 
 
 def open_append(path: epath.PathLike):
-  """A text file open for appending to ``path``, which must be a regular file (it is opened
-  with ``O_NOFOLLOW``: a link planted since is refused, not followed)."""
+  """A text file open for appending to ``path``, which must be a regular file or absent (it is
+  opened with ``O_NOFOLLOW`` and ``O_NONBLOCK``: a link planted since is refused, not followed,
+  and a FIFO planted since never blocks the open; ``open_regular``)."""
   path = os.fspath(path)
   with writing(path):
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                 0o666)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-      os.close(fd)
-      raise WorkdirError(f"cannot write {path}: not a regular file")
-  return os.fdopen(fd, "a", encoding="utf-8")
+    return open_regular(path, "a", what="cannot write", follow_links=False)
 
 
 def _remove(path: str) -> None:
@@ -171,6 +177,20 @@ def _remove(path: str) -> None:
   else:
     with contextlib.suppress(OSError):
       os.unlink(path)
+
+
+def remove(path: epath.PathLike) -> None:
+  """Removes ``path``, whatever it is: a directory with its contents, else the entry itself (a
+  file, a link, a FIFO; never what a link points to). ``shutil.rmtree`` (and ``epath``'s
+  ``rmtree``) opens its argument first, and opening a FIFO waits for a writer for good."""
+  if is_local(path):
+    _remove(os.fspath(path))
+    return
+  remote = epath.Path(path)
+  if remote.is_dir():
+    remote.rmtree()
+  elif remote.exists():
+    remote.unlink()
 
 
 @contextlib.contextmanager
@@ -263,3 +283,185 @@ def _umask() -> int:
   mask = os.umask(0o022)
   os.umask(mask)
   return mask
+
+
+# ---------------------------------------------------------------------------
+# Reading: a file of the workdir or of an input is opened only once it is known to be a regular
+# file. Opening a FIFO waits for a writer forever (a hang that only SIGKILL ends), a device
+# reads without end (/dev/zero) and a directory fails deep in a library with a traceback.
+# ---------------------------------------------------------------------------
+
+
+def _link_note(path: str) -> str:
+  """' (a symbolic link to TARGET)' when ``path`` is a link, else ''."""
+  try:
+    return f" (a symbolic link to {os.readlink(path)})" if os.path.islink(path) else ""
+  except OSError:
+    return ""
+
+
+def problem(path: epath.PathLike, *, follow_links: bool = True,
+            missing_ok: bool = False) -> str | None:
+  """Why ``path`` cannot be opened as a regular file, in words, or None if it can (``os.stat``
+  alone: nothing is opened).
+
+  The reasons: "does not exist" (a dangling link: "does not exist (a symbolic link to T)"),
+  "<what it is>, not a regular file" ("a FIFO", "a directory", "a character device", "a block
+  device", "a socket"; through a link: "a FIFO, not a regular file (a symbolic link to T)"),
+  "a symbolic link (to T), which is not followed" (``follow_links=False``), "cannot be read
+  (<why>)". ``missing_ok``: a path that does not exist (a dangling link, when links are
+  followed) is fine: there is nothing to read.
+  """
+  path = os.fspath(path)
+  try:
+    info = os.stat(path) if follow_links else os.lstat(path)
+  except FileNotFoundError:
+    if missing_ok:
+      return None
+    return "does not exist" + _link_note(path)
+  except OSError as error:
+    return f"cannot be read ({reason_of(error)})"
+  if stat.S_ISLNK(info.st_mode):
+    return f"a symbolic link (to {os.readlink(path)}), which is not followed"
+  if not stat.S_ISREG(info.st_mode):
+    return f"{input_files.kind_of(info.st_mode)}, not a regular file" + _link_note(path)
+  return None
+
+
+def _refuse(path: str, what: str, reason: str, error: type[Exception]) -> Exception:
+  return error(f"{what} {path}: {reason}" if what else f"{path}: {reason}")
+
+
+def regular_file(path: epath.PathLike, what: str = "", *,
+                 error: type[Exception] = WorkdirError, follow_links: bool = True) -> str:
+  """``path``, if it is a regular file (links followed, unless ``follow_links=False``); else
+  ``error`` (one line): "<what> <path>: <problem>", e.g. "adapter weights
+  /ck/adapter_model.safetensors: a FIFO, not a regular file".
+
+  For a library that opens the file by name (safetensors, orbax): nothing is opened here. Where
+  the bytes are read here, ``open_regular`` also closes the window between the check and the
+  open. A remote path (``gs://``) holds no FIFO or device: it is not checked.
+
+  ``error``: the caller's error type, which its command line already reports in one line
+  (``WorkdirError`` for the workdir's own files; ``input_files.InputError``,
+  ``hf_io.CheckpointError``, ``tokenizers.TokenizerError`` or ``ValueError`` for what a run
+  reads).
+  """
+  if is_local(path):
+    reason = problem(path, follow_links=follow_links)
+    if reason is not None:
+      raise _refuse(os.fspath(path), what, reason, error)
+  return os.fspath(path)
+
+
+_MODES = {"r": os.O_RDONLY, "rb": os.O_RDONLY,
+          "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT}
+
+
+def open_regular(path: epath.PathLike, mode: str = "r", *, what: str = "",
+                 error: type[Exception] = WorkdirError, follow_links: bool = True,
+                 missing_ok: bool = False, encoding: str = "utf-8", **options):
+  """``path`` opened (``mode``: "r", "rb", "a" or "ab"), if it is a regular file; else
+  ``error`` naming it (``regular_file``). None if ``missing_ok`` and there is nothing at
+  ``path`` (nor at the end of a link); "a" creates a missing file.
+
+  Checked with ``os.stat`` first, then opened with ``O_NONBLOCK`` (a FIFO put in its place
+  since does not block the open) and ``O_NOFOLLOW`` unless ``follow_links``, and the open
+  descriptor's ``fstat`` checked again before ``O_NONBLOCK`` is cleared: the file read is the
+  regular file that was checked. ``options`` go to ``open`` (``newline``). A remote path is
+  opened with ``etils.epath``.
+  """
+  if mode not in _MODES:
+    raise ValueError(f"mode={mode!r} is not one of {sorted(_MODES)}")
+  text = "b" not in mode
+  if not is_local(path):
+    remote = epath.Path(path)
+    if missing_ok and not remote.exists():
+      return None
+    return remote.open(mode, **({"encoding": encoding} if text else {}), **options)
+  path = os.fspath(path)
+  writes = mode.startswith("a")
+  reason = problem(path, follow_links=follow_links, missing_ok=missing_ok or writes)
+  if reason is not None:
+    raise _refuse(path, what, reason, error)
+  flags = _MODES[mode] | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+  if not follow_links:
+    flags |= getattr(os, "O_NOFOLLOW", 0)
+  try:
+    fd = os.open(path, flags, 0o666)
+  except FileNotFoundError:
+    if missing_ok:
+      return None
+    raise _refuse(path, what, "does not exist" + _link_note(path), error) from None
+  except OSError as failure:
+    if failure.errno == errno.ELOOP and not follow_links:
+      raise _refuse(path, what, f"a symbolic link (to {os.readlink(path)}), which is not "
+                    "followed", error) from None
+    if writes:  # ``writing`` names the file and the cause (a full disk).
+      raise
+    raise _refuse(path, what, f"cannot be read ({failure.strerror or failure})", error) from None
+  try:
+    kind = os.fstat(fd).st_mode
+    if not stat.S_ISREG(kind):
+      raise _refuse(path, what, f"{input_files.kind_of(kind)}, not a regular file", error)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode, **({"encoding": encoding} if text else {}), **options)
+  except BaseException:
+    os.close(fd)
+    raise
+
+
+def read_text(path: epath.PathLike, what: str = "", *, error: type[Exception] = WorkdirError,
+              follow_links: bool = True, missing_ok: bool = False) -> str | None:
+  """The UTF-8 text of the regular file ``path`` (``open_regular``; None if ``missing_ok`` and
+  it does not exist)."""
+  file = open_regular(path, "r", what=what, error=error, follow_links=follow_links,
+                      missing_ok=missing_ok)
+  if file is None:
+    return None
+  with file:
+    return file.read()
+
+
+def read_bytes(path: epath.PathLike, what: str = "", *, error: type[Exception] = WorkdirError,
+               follow_links: bool = True, missing_ok: bool = False) -> bytes | None:
+  """The bytes of the regular file ``path`` (``open_regular``; None if ``missing_ok`` and it
+  does not exist)."""
+  file = open_regular(path, "rb", what=what, error=error, follow_links=follow_links,
+                      missing_ok=missing_ok)
+  if file is None:
+    return None
+  with file:
+    return file.read()
+
+
+def check_tree(directory: epath.PathLike, what: str = "", *,
+               error: type[Exception] = WorkdirError) -> None:
+  """``error`` naming the first entry under ``directory`` (all depths; ``os.scandir``, kinds
+  only, nothing opened) that is neither a directory nor a regular file, links followed: a FIFO
+  or a device, which a library that reads the whole tree (orbax, tensorstore) would open and
+  wait on for good. A link to a directory is not descended into; a directory that does not
+  exist holds nothing to open. A remote directory is not checked."""
+  if not is_local(directory):
+    return
+  pending = [os.fspath(directory)]
+  while pending:
+    current = pending.pop()
+    try:
+      with os.scandir(current) as listing:
+        entries = sorted(listing, key=lambda entry: entry.name)
+    except FileNotFoundError:
+      continue  # Gone: nothing there to open.
+    except OSError as failure:
+      raise _refuse(current, what, f"cannot be listed ({reason_of(failure)})", error) from None
+    for entry in entries:
+      if entry.is_dir(follow_symlinks=False):
+        pending.append(entry.path)
+        continue
+      try:
+        kind = entry.stat().st_mode  # Through a link: what a reader would open.
+      except OSError:
+        continue  # A dangling link fails where it is read, in words; it blocks nothing.
+      if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):
+        raise _refuse(entry.path, what, f"{input_files.kind_of(kind)}, not a regular file"
+                      + _link_note(entry.path), error)

@@ -312,6 +312,53 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
                                  dtype=jnp.float32)
 
 
+def test_a_moved_lora_workdir_resumes_exports_and_evaluates(tmp_path, sft_start):
+  """The base's identity names the workdir's own supervised start relative to the workdir
+  (``<workdir>/sft_model``): after ``mv W W2`` the run resumes, exports (its adapter names W2's
+  start) and evaluates with the same logits; an edited start is still refused. A checkpoint of
+  an older version, which recorded the start's absolute path, is read after a move too."""
+  from stabledrl_jax.training import checkpointing, lora_base  # pylint: disable=g-import-not-at-top
+  workdir = workdir_with_start(tmp_path / "run", sft_start)
+  config = tiny_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0,
+                          "model.lora.base_dtype": "float32", "train.num_steps": 1})
+  run = trainer.Trainer(config, str(workdir))
+  run.run()
+  tokens = jnp.arange(24).reshape(2, 12) % run.parts.model_config.vocab_size
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  trained = np.asarray(nnx.merge(run.parts.graphdef, jax.device_get(run.state.params))(tokens))
+  run.close()
+  reader = checkpointing.Checkpointer(str(workdir), read_only=True)
+  assert reader.restore_meta(1)[lora_base.META_KEY]["source"] == "<workdir>/sft_model"
+  reader.close()
+  moved = tmp_path / "moved"
+  os.rename(workdir, moved)
+  resumed = trainer.Trainer(tiny_config(**{**{"model.lora.rank": 4, "model.lora.alpha": 8.0,
+                                              "model.lora.base_dtype": "float32"},
+                                           "train.num_steps": 2}), str(moved))
+  try:
+    assert resumed.start_step == 1
+  finally:
+    resumed.close()
+  loaded = checkpoint_source.load_model(checkpoint_source.resolve(str(moved)), mesh=run.mesh,
+                                        dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(loaded(tokens)), trained, rtol=1e-5, atol=1e-5)
+  export.export(str(moved), str(tmp_path / "adapter"))
+  record = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert record["base_model_name_or_path"] == str(moved / supervised.SFT_DIR)
+  # An older version's identity (the absolute path it was trained at) after the move.
+  old = {**lora_base.identity(config, moved), "source": str(workdir / supervised.SFT_DIR)}
+  lora_base.check(old, lora_base.identity(config, moved), "old")
+  with pytest.raises(ValueError, match="holds LoRA adapters trained on the base"):
+    lora_base.check({**old, "fingerprint": "0" * 64}, lora_base.identity(config, moved), "old")
+  # An edited start in the moved workdir is refused.
+  file = moved / supervised.SFT_DIR / "model.safetensors"
+  tensors = load_file(str(file))
+  name = sorted(tensors)[0]
+  save_file({**tensors, name: tensors[name] + 1.0}, str(file), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"trained on the base '<workdir>/sft_model'"):
+    trainer.Trainer(config, str(moved))
+
+
 def test_a_lora_run_from_a_fresh_model_exports_merged_only(tmp_path):
   config = tiny_config(**{"sft.num_steps": 0, "model.lora.rank": 2, "train.num_steps": 1})
   trainer.train(config, str(tmp_path / "run"))

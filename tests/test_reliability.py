@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -373,8 +374,9 @@ def test_a_full_disk_while_the_supervised_start_is_written_leaves_no_half_start(
                      match=rf"^cannot write {tmp_path / supervised.SFT_DIR}/model.safetensors: no "
                            "space left"):
     trainer.train(config, str(tmp_path))
-  # Nothing staged is left (the start was staged inside the workdir, beside sft_model).
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sft_progress"]
+  # Nothing staged is left (the start was staged inside the workdir, beside sft_model), and the
+  # empty directories this start made are removed.
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
   monkeypatch.undo()  # Space again: the rerun fits and writes the start.
   trainer.train(config, str(tmp_path))
   assert (tmp_path / supervised.SFT_DIR / "config.json").exists()
@@ -525,7 +527,7 @@ def _hostile_generation_files(directory):
   bad[folder] = "a directory, not a regular file"
   dangling = directory / "countdown_m_8_4_8_generations.json"
   dangling.symlink_to(directory / "nowhere")
-  bad[dangling] = "cannot be read"
+  bad[dangling] = "does not exist (a symbolic link to "
   binary = directory / "countdown_m_8_4_9_generations.json"
   binary.write_bytes(b"\xff\xfe\x00{")
   bad[binary] = "not UTF-8"
@@ -688,18 +690,106 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
   assert [r["step"] for r in records if "rewards/mean" in r] == [1, 2, 1, 2]
   assert [r["collapse_guard/restored_to"] for r in records
           if "collapse_guard/restored_to" in r] == [0, -1]
-  # Rerun (more steps): the scale and the events are read back; a garbled file is named.
+  # The run stopped at step 2 (saved, the stop in its meta): a rerun says so in one line and
+  # trains nothing; told to go on, it trains on with the scale and the events read back.
   more = sweep_overrides(config, {"train.num_steps": 5})
-  resumed = trainer.Trainer(more, str(tmp_path))
+  before = (tmp_path / "metrics.jsonl").read_text()
+  again = trainer.Trainer(more, str(tmp_path))
+  assert again.stopped.startswith("the collapse guard stopped this run after step 2 (reward")
+  assert "\n" not in again.stopped and "collapse_guard.go_on=True" in again.stopped
+  assert again.run() == [] and (tmp_path / "metrics.jsonl").read_text() == before
+  resumed = trainer.Trainer(sweep_overrides(more, {"train.collapse_guard.go_on": True}),
+                            str(tmp_path))
   try:
-    assert resumed.lr_scale == 0.5 and len(resumed.guard_events) == 2
+    assert resumed.start_step == 2 and resumed.lr_scale == 0.5
+    assert [e["action"] for e in resumed.guard_events] == ["restore", "stop", "go_on"]
     assert float(resumed.parts.schedule(0)) == pytest.approx(
         0.5 * float(more.optimizer.learning_rate))
+    assert resumed.trajectory.records() == []  # The rules judge the run from step 2 on.
   finally:
     resumed.close()
+  assert [e["action"] for e in json.loads((tmp_path / collapse.EVENTS_FILE).read_text())[
+      "events"]] == ["restore", "stop", "go_on"]
   (tmp_path / collapse.EVENTS_FILE).write_text("{not json")
   with pytest.raises(ValueError, match="is not the collapse guard's events file"):
     trainer.Trainer(more, str(tmp_path))
+
+
+_GUARDED = {"train.num_steps": 4, "eval.every_steps": 1, "train.collapse_guard.enabled": True,
+            "train.collapse_guard.window": 1, "train.collapse_guard.reward_margin": 0.0,
+            "train.collapse_guard.max_restores": 2}
+
+_GUARDED_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_reliability import _quick
+from stabledrl_jax.training import trainer
+trainer.train(_quick(**json.loads({updates!r})), {workdir!r}, hard_stop=True)
+"""
+
+
+def _records_without_timing(workdir):
+  timing = ("time/", "_s", "elapsed", "per_s", "perf/")
+  return [{k: v for k, v in r.items() if not any(t in k for t in timing)}
+          for r in metrics_writer.read_metrics(workdir / "metrics.jsonl")]
+
+
+def _killed_after_a_restore(workdir, signum):
+  """The guarded run in a process, sent ``signum`` once metrics.jsonl has a restore's record
+  and a step run again after it; returns the process's stderr."""
+  process = subprocess.Popen(
+      [sys.executable, "-c", _GUARDED_RUN.format(tests=os.path.dirname(__file__),
+                                                 updates=json.dumps(_GUARDED),
+                                                 workdir=str(workdir))],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  deadline = time.monotonic() + 400  # A hang guard, not a timing.
+  try:
+    while time.monotonic() < deadline and process.poll() is None:
+      records = metrics_writer.read_metrics(workdir / "metrics.jsonl")
+      restored = [i for i, r in enumerate(records) if "collapse_guard/restored_to" in r]
+      if restored and any("rewards/mean" in r for r in records[restored[0]:]):
+        process.send_signal(signum)
+        break
+      time.sleep(0.02)
+    _, err = process.communicate(timeout=300)
+  finally:
+    process.kill()
+  assert restored, f"the run ended before its first restore: {err[-3000:]}"
+  return process.returncode, err
+
+
+@pytest.mark.slow
+def test_a_kill_after_a_restore_resumes_the_restored_run_exactly(tmp_path):
+  """After a restore the collapsed trajectory's checkpoints are moved aside and the restored
+  step saved again as the latest, with the event and the records logged so far in its meta: a
+  SIGKILL or SIGTERM there resumes the restored run (never the collapsed checkpoint), and the
+  rerun's metrics.jsonl equals the uninterrupted run's, record for record."""
+  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  config = _quick(**_GUARDED)
+  trainer.train(config, str(tmp_path / "whole"))
+  whole = _records_without_timing(tmp_path / "whole")
+  assert [r["collapse_guard/restored_to"] for r in whole
+          if "collapse_guard/restored_to" in r] == [0, 0, -1]
+  for signum in (signal.SIGKILL, signal.SIGTERM):
+    workdir = tmp_path / signum.name
+    status, err = _killed_after_a_restore(workdir, signum)
+    if signum == signal.SIGTERM:
+      assert status == 0 and "Stopped by a signal: saved step" in err, err[-3000:]
+    else:
+      assert status == -signal.SIGKILL
+    # The latest checkpoint is the restored state, the restore and its scale in its meta.
+    resumed = trainer.Trainer(config, str(workdir))
+    try:
+      assert resumed.lr_scale in (0.5, 0.25) and resumed.guard_events[0]["action"] == "restore"
+      assert resumed.start_step <= 1
+    finally:
+      resumed.close()
+    assert (workdir / checkpointing.COLLAPSED_DIR).is_dir()  # The collapsed steps, kept aside.
+    trainer.train(config, str(workdir))
+    assert _records_without_timing(workdir) == whole, signum.name
+    events = json.loads((workdir / collapse.EVENTS_FILE).read_text())["events"]
+    assert [e["action"] for e in events] == ["restore", "restore", "stop"], signum.name
 
 
 def test_a_collapse_guard_that_never_fires_leaves_the_run_as_it_was(tmp_path):

@@ -146,11 +146,22 @@ def test_every_float_hyperparameter_of_every_objective_refuses_nan_and_infinity(
         objective.make_hparams({field: value})
 
 
+def family_option_fields() -> dict[str, type]:
+  """{rollout.family_options.<name> and eval.'s: kind} of every option a registered model family
+  declares (``Family.options``: its range is the family's ``Option``)."""
+  from stabledrl_jax.models import family  # pylint: disable=g-import-not-at-top
+  return {f"{section}.family_options.{name}": option.kind for section in ("rollout", "eval")
+          for record in map(family.get, family.names()) for name, option in record.options.items()}
+
+
 def test_every_float_field_of_base_config_has_a_range():
-  """A new float field needs a range in specs.FLOAT_RANGES (or its objective's check)."""
+  """A new float field needs a range in specs.FLOAT_RANGES (or its objective's check, or its
+  model family's ``Option``)."""
   hparams = {f"objective.{name}.{field}" for name, field in objective_float_hparams()}
+  options = family_option_fields()
   unranged = [field for field in float_fields(config_lib.base_config())
-              if field not in specs.FLOAT_RANGES and field not in hparams]
+              if field not in specs.FLOAT_RANGES and field not in hparams
+              and options.get(field) is not float]
   assert not unranged
   assert not set(specs.FLOAT_RANGES) - set(float_fields(config_lib.base_config()))
 
@@ -236,10 +247,13 @@ def test_every_integer_field_refuses_minus_one_and_a_huge_value_naming_it():
           "mesh.data", "train.num_steps"} <= set(fields)  # The walk sees them.
   assert set(MINUS_ONE_MEANS_SOMETHING) <= set(fields)
   specs.validate(quickstart())
+  options = family_option_fields()
   for field in fields:
     updates = {}
     if field.startswith("objective."):  # The objective of the section too: its own check.
       updates["objective.name"] = field.split(".")[1]
+    if field in options:  # A family that takes it (Dream): its own range.
+      updates.update({"model.family": "dream", "rollout.remasking": "entropy"})
     for value in (-1, HUGE):
       if value == -1 and field in MINUS_ONE_MEANS_SOMETHING:
         continue
@@ -317,10 +331,13 @@ def test_the_run_is_resolved_once_into_one_record():
 
 
 def test_every_integer_field_of_base_config_has_a_range():
-  """A new integer field needs a range in specs.INT_RANGES (or its objective's check)."""
+  """A new integer field needs a range in specs.INT_RANGES (or its objective's check, or its
+  model family's ``Option``)."""
   hparams = {f"objective.{name}.{field}" for name, field in objective_int_hparams()}
+  options = family_option_fields()
   unranged = [field for field in int_fields(config_lib.base_config())
-              if field not in specs.INT_RANGES and field not in hparams]
+              if field not in specs.INT_RANGES and field not in hparams
+              and options.get(field) is not int]
   assert not unranged
   assert not set(specs.INT_RANGES) - set(int_fields(config_lib.base_config()))
   for field, bounds in specs.INT_RANGES.items():  # Bounded well below the walk's huge value.
@@ -456,7 +473,8 @@ def test_an_alphabet_that_cannot_spell_the_answers_is_refused():
   with pytest.raises(ValueError, match=r"cannot encode '\(\)\*\+-'") as error:
     specs.validate(quickstart(**countdown))
   assert_names(error.value, "tokenizer.alphabet")
-  specs.validate(quickstart(**countdown, **{"tokenizer.alphabet": ""}))  # The default passes.
+  # The default passes (without the quickstart's imperfect demonstrator, which is sudoku's).
+  specs.validate(quickstart(**countdown, **{"tokenizer.alphabet": "", "sft.demo_error_rate": 0.0}))
   # The sudoku generator's option, left on a countdown run: named before any data is made.
   with pytest.raises(ValueError, match="blanks_range") as error:
     specs.validate(quickstart(**{"task.name": "countdown"}))
@@ -478,7 +496,8 @@ def test_a_dataset_is_checked_once_when_it_is_loaded(tmp_path):
   records = tmp_path / "gsm8k.jsonl"
   records.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
   config = quickstart(**{"task.name": "gsm8k", "data.eval": str(records), "data.eval_size": 0,
-                         "data.train": str(records), "data.train_size": 0})
+                         "data.train": str(records), "data.train_size": 0,
+                         "sft.demo_error_rate": 0.0})  # The quickstart's demonstrator: sudoku's.
   specs.validate(config)  # The file is not read here.
   with pytest.raises(ValueError, match=r"cannot encode '\\n#\+='") as error:
     data.make_examples(config, "eval")

@@ -253,12 +253,13 @@ def small_disk(tmp_path):
   subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def _cli(workdir, *flags):
+def _cli(workdir, *flags, timeout=600):
   return subprocess.run(
       [sys.executable, "-m", "stabledrl_jax.train", "--config", "quickstart", "--workdir",
        str(workdir), "--config.sft.num_steps=0", "--config.eval.every_steps=0",
        "--config.checkpoint.every_steps=1", *flags],
-      capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+      capture_output=True, text=True, timeout=timeout,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 @pytest.mark.slow
@@ -283,6 +284,29 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes_from_the_last_good_step(s
   steps = [r["step"] for r in metrics_writer.read_metrics(workdir / "metrics.jsonl")]
   assert steps == [1, 2, 3]
   assert checkpointing.Checkpointer(workdir, read_only=True).latest_step() == 3
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_first_rl_checkpoint_is_one_line_not_a_hang(small_disk):
+  """The supervised start fills most of 700 KiB, so the first RL checkpoint cannot be written
+  (the hostile run's case: tensorboardX's writer thread died on the full disk and the loop
+  hung for good on its queue). One error line naming the file that met the full disk, LOCK
+  released, no orbax staging directory left, within a hang guard."""
+  workdir = small_disk / "w"
+  try:
+    out = _cli(workdir, "--config.sft.num_steps=2", "--config.train.num_steps=3",
+               timeout=400)
+  except subprocess.TimeoutExpired:
+    raise AssertionError("the run hung on the full disk") from None
+  assert (workdir / "sft_model").is_dir(), out.stderr[-3000:]
+  lines = [line for line in out.stderr.replace("\r", "\n").splitlines()
+           if line.strip() and not line.startswith(("RL:", "sft step"))]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+  assert lines[0].startswith(f"error: cannot write {workdir}/") and lines[0].endswith(
+      ": no space left on the device (--verbose shows the traceback)"), lines
+  assert not (workdir / checkpointing.WorkdirLock.NAME).exists()
+  left = [p.name for p in (workdir / checkpointing.CHECKPOINT_DIR).iterdir()]
+  assert not [name for name in left if "tmp" in name], left
 
 
 _FAILED_SAVE_AFTER_THE_ERROR = textwrap.dedent("""

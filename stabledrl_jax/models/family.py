@@ -17,6 +17,7 @@ Adding a family: a folder ``models/<name>/`` with its config, module and checkpo
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 Array = Any
@@ -73,6 +74,69 @@ def hf_shapes(config: Any) -> Shapes:
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+  """One option of a family's own sampler (``rollout.family_options.<name>``, and the
+  evaluation's ``eval.family_options.<name>``): its type, its default and the values it takes,
+  declared once (``Family.options``) and checked by ``check_option``.
+
+  ``config_lib.base_config`` lists every registered family's options, each an unset (None)
+  field of ``kind``, so that ``--config.rollout.family_options.<name>=value`` works; a value
+  left None takes ``default``.
+
+  Attributes:
+    kind: ``int`` or ``float`` (an int is a float too; a bool is neither).
+    default: the sampler's value where none is set (None: off).
+    low, high: the closed (or, with ``low_open`` / ``high_open``, open) interval it lies in.
+    high_of: model config -> a tighter upper bound known once the model is (the vocabulary
+      size), or None.
+    high_name: what ``high_of`` measures, in words.
+    note: what the option means, for the error.
+  """
+
+  kind: type
+  default: Any = None
+  low: float = -math.inf
+  high: float = math.inf
+  low_open: bool = False
+  high_open: bool = False
+  high_of: Callable[[Any], int | None] | None = None
+  high_name: str = ""
+  note: str = ""
+
+  def interval(self, model_config: Any = None) -> tuple[float, str, str]:
+    """The upper bound for ``model_config`` (None: the static one), the interval in words, and
+    where a model sets the bound, what it is ('' otherwise)."""
+    high, what = self.high, ""
+    if self.high_of is not None and model_config is not None:
+      bound = self.high_of(model_config)
+      if bound is not None and bound < high:
+        high, what = bound, f"{bound}: {self.high_name}" if self.high_name else ""
+    text = ("(" if self.low_open else "[") + f"{self.low:g}, {high:g}" + (
+        ")" if self.high_open or high == math.inf else "]")
+    return high, text, what
+
+
+def check_option(field: str, option: Option, value: Any, model_config: Any = None) -> None:
+  """Raises ValueError ``<field>: must be ...`` (one line) unless ``value`` is None (unset) or
+  lies in ``option``'s interval (for ``model_config`` where given)."""
+  if value is None:
+    return
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if option.kind is int:
+    number = number and isinstance(value, int)
+  high, interval, what = option.interval(model_config)
+  if number and math.isfinite(value):
+    above = value > option.low if option.low_open else value >= option.low
+    below = value < high if option.high_open else value <= high
+    if above and below:
+      return
+  kind = "an integer" if option.kind is int else "a finite number"
+  notes = "; ".join(n for n in (option.note, what) if n)
+  raise ValueError(f"{field}: must be {kind} in {interval}" + (f" ({notes})" if notes else "")
+                   + f", got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
   """One model family.
 
@@ -113,6 +177,10 @@ class Family:
     eval_decoding: gen_length -> the ``decoding.Decoding`` fields its official evaluation sets
       where ``stabledrl_jax.evaluate``'s command line names none (block_length, remasking,
       family_options); {}: d1's protocol (blocks of 32, low-confidence remasking).
+    options: its sampler's own options ({name: :class:`Option`}; ``rollout.family_options``),
+      the one place each is declared; a family with none refuses every name.
+    max_positions: config -> the positions its model is made for (prompt and completion
+      together; ``stabledrl_jax.evaluate`` bounds ``--gen_lengths`` by it), or None.
   """
 
   name: str
@@ -137,6 +205,8 @@ class Family:
   step_flops: Callable[..., tuple[float, float, float]] | None = None
   holds_kv_cache: Callable[[str], bool] = lambda cache: cache != "none"
   eval_decoding: Callable[[int], Mapping[str, Any]] = lambda gen_length: {}
+  options: Mapping[str, Option] = dataclasses.field(default_factory=dict)
+  max_positions: Callable[[Any], int | None] = lambda config: None
 
   @property
   def fields(self) -> tuple[str, ...]:
@@ -225,16 +295,42 @@ def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, d
                          family.sampling(decoding, model.config))
 
 
-def family_options(decoding: Any, family_name: str, allowed: Mapping[str, Any]
-                   ) -> dict[str, Any]:
-  """``decoding.family_options`` over the defaults ``allowed`` ({name: default}) of a family's
-  sampler; ValueError (one line) naming ``rollout.family_options.<name>`` for a name it lacks."""
-  given = dict(getattr(decoding, "family_options", ()))
+def family_options(decoding: Any, family_name: str, allowed: Mapping[str, Any],
+                   model_config: Any = None) -> dict[str, Any]:
+  """``decoding.family_options`` over the defaults of a family's sampler options ``allowed``
+  ({name: :class:`Option`}, or {name: default}); ValueError (one line) naming
+  ``rollout.family_options.<name>`` for a name it lacks or a value out of its ``Option``'s
+  range (for ``model_config``, where given: top_k at most its vocabulary). A None value is
+  unset: the default stays."""
+  given = {k: v for k, v in dict(getattr(decoding, "family_options", ())).items()
+           if v is not None}
   unknown = sorted(set(given) - set(allowed))
   if unknown:
     takes = f"takes {sorted(allowed)}" if allowed else "takes none"
     raise ValueError(f"rollout.family_options.{unknown[0]}: {family_name}'s sampler {takes}")
-  return {**allowed, **given}
+  defaults = {}
+  for name, option in allowed.items():
+    if isinstance(option, Option):
+      check_option(f"rollout.family_options.{name}", option, given.get(name), model_config)
+      defaults[name] = option.default
+    else:
+      defaults[name] = option
+  return {**defaults, **given}
+
+
+def check_options(family: Family, options: Mapping[str, Any], field: str,
+                  model_config: Any = None) -> None:
+  """Raises ValueError ``config.<field>.<name>: ...`` (one line) for a set option (not None)
+  that ``family`` does not declare (``Family.options``) or a value out of its range; cheap (no
+  model: the bounds a model sets are checked where ``model_config`` is given)."""
+  for name, value in options.items():
+    if value is None:
+      continue
+    if name not in family.options:
+      takes = f"takes {sorted(family.options)}" if family.options else "takes none"
+      raise ValueError(f"config.{field}.{name}: the {family.name} family's sampler {takes} "
+                       f"(model.family={family.name!r})")
+    check_option(f"config.{field}.{name}", family.options[name], value, model_config)
 
 
 def resolve_overrides(family: Family, overrides: Mapping[str, Any]) -> dict[str, Any]:

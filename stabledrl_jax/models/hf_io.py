@@ -71,8 +71,8 @@ def read_json_object(path: str, what: str = "") -> dict[str, Any]:
   reason = input_files.problem(path)
   if reason is not None:  # Missing, a FIFO (never opened), empty, unreadable.
     raise FileNotFoundError(f"no {what or os.path.basename(path)} at {path} ({reason})")
-  try:
-    with open(path, encoding="utf-8") as f:
+  try:  # Opened only as the regular file just checked (``workdir_files.open_regular``).
+    with workdir_files.open_regular(path, "rb", what=what, error=CheckpointError) as f:
       value = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as error:
     raise CheckpointError(f"{path} is not valid JSON: {error}") from None
@@ -167,6 +167,10 @@ class Reader:
       file_path = os.path.join(path, name)
       if not os.path.exists(file_path):
         raise CheckpointError(f"{INDEX_FILE} lists {name}, which is not in {path}")
+      # safetensors opens it by name: a FIFO would wait for a writer for good, a directory
+      # fail with a traceback. Refused in one line first (``workdir_files``).
+      workdir_files.regular_file(file_path, "adapter weights" if single != SINGLE_FILE
+                                 else "checkpoint weights", error=CheckpointError)
       try:
         handles[name] = stack.enter_context(safe_open(file_path, framework="numpy"))
       except Exception as error:  # pylint: disable=broad-except  (safetensors' own errors)

@@ -57,10 +57,12 @@ class Store:
     self.rows: dict[str, dict] = {}
     self.pending: dict[str, dict] = {}
     self.projections: dict[str, dict] = {}
-    if path and os.path.exists(path):
+    # A FIFO or a device at --output is one line naming it, never opened (``workdir_files``).
+    text = workdir_files.read_bytes(path, "--output", error=ValueError,
+                                    missing_ok=True) if path else None
+    if text is not None:
       try:
-        with open(path) as f:
-          data = json.load(f)
+        data = json.loads(text)
         for row in data["rows"]:
           self.rows[self.key(row)] = row
         for row in data.get("pending", []):

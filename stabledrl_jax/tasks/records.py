@@ -15,12 +15,18 @@ import os
 import pathlib
 from typing import Any
 
-from stabledrl_jax import input_files
+from stabledrl_jax import input_files, workdir_files
+
+
+def _open(path: pathlib.Path, mode: str = "r", **options):
+  """``path`` opened only as the regular file ``input_files.check`` found (a FIFO put there
+  since is refused, never opened: ``workdir_files.open_regular``)."""
+  return workdir_files.open_regular(path, mode, error=input_files.InputError, **options)
 
 
 def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
   records = []
-  with path.open(encoding="utf-8") as file:
+  with _open(path) as file:
     for line_number, line in enumerate(file, start=1):
       if not line.strip():
         continue
@@ -33,7 +39,8 @@ def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
 
 def _read_json(path: pathlib.Path) -> list[dict[str, Any]]:
   """A JSON list of records, or a d1 generation file ({"generations": [...]})."""
-  data = json.loads(path.read_text(encoding="utf-8"))
+  with _open(path) as file:
+    data = json.loads(file.read())
   if isinstance(data, dict) and isinstance(data.get("generations"), list):
     return data["generations"]
   if isinstance(data, list):
@@ -43,7 +50,7 @@ def _read_json(path: pathlib.Path) -> list[dict[str, Any]]:
 
 def _read_csv(path: pathlib.Path) -> list[dict[str, Any]]:
   # Values stay strings: sudoku grids such as "0140..." must keep their leading zeros.
-  with path.open(encoding="utf-8", newline="") as file:
+  with _open(path, newline="") as file:
     return list(csv.DictReader(file))
 
 
@@ -53,7 +60,8 @@ def _read_parquet(path: pathlib.Path) -> list[dict[str, Any]]:
   except ImportError:
     raise ImportError(
         f"Reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
-  return pyarrow.parquet.read_table(path).to_pylist()
+  with _open(path, "rb") as file:
+    return pyarrow.parquet.read_table(file).to_pylist()
 
 
 _READERS = {

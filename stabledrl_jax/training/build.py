@@ -8,6 +8,7 @@ compile, the planner and the benchmarks build the same parts abstractly (``abstr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -19,7 +20,7 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import hub, input_files, models, workdir_files
-from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax.models import hf_io, lora as lora_lib, peft_io
 from stabledrl_jax.training import checkpointing, data, mesh as mesh_lib
 from stabledrl_jax.training import rl_loss, run_spec as run_spec_lib, specs, train_step
 
@@ -61,16 +62,74 @@ def _continued_adapter(config: ml_collections.ConfigDict, model: nnx.Module) -> 
     return lora_lib.merge_adapters(model)
   adapters = lora_lib.adapters_of(model)
   rank, scale = next((a.a.shape[1], a.scale) for a in adapters.values())
+  _check_adapter_spec(config, model, rank, scale, set(adapters))
+  return model
+
+
+def _check_adapter_spec(config: ml_collections.ConfigDict, model: nnx.Module, rank: int,
+                        scale: float, adapted: set[str]) -> None:
+  """Raises ValueError naming ``config.model.lora`` unless its rank, alpha and targets (on
+  ``model``, abstract or not) describe the adapter of ``model.checkpoint``: rank ``rank``, scale
+  alpha / r ``scale``, on the modules ``adapted``."""
+  spec = lora_lib.spec_of(config.model.lora)
   chosen = set(lora_lib.targeted(model, spec))
-  if (spec.rank, spec.scale) != (rank, scale) or chosen != set(adapters):
-    short = sorted({name.rsplit(".", 1)[-1] for name in adapters})
+  if (spec.rank, spec.scale) != (rank, scale) or chosen != adapted:
+    short = sorted({name.rsplit(".", 1)[-1] for name in adapted})
     raise ValueError(
         f"config.model.lora: rank={spec.rank}, alpha={spec.alpha:g}, targets="
         f"{','.join(spec.targets)!r} do not describe the adapter model.checkpoint="
-        f"{config.model.checkpoint!r} (r={rank}, lora_alpha={scale * rank:g}, {len(adapters)} "
+        f"{config.model.checkpoint!r} (r={rank}, lora_alpha={scale * rank:g}, {len(adapted)} "
         f"modules {','.join(short)}): set them so to train it on, or rank=0 to train its merged "
         "weights")
-  return model
+
+
+# What ``check_checkpoint`` reads of a checkpoint: its configs, no weights.
+_CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+
+
+def check_checkpoint(config: ml_collections.ConfigDict, tokenizer) -> None:
+  """What ``build_model`` would refuse in ``model.checkpoint``, found from its config files
+  alone (fetched from the Hub where it is an id, with no weight: a repository that cannot be
+  fetched, offline, fails here): its family, rollout layout and sampler options
+  (``specs.validate_model``), the tokenizer's fit, and a PEFT adapter's rank, alpha and
+  targets against ``model.lora``. The trainer runs it before it creates anything in its
+  workdir.
+
+  Raises:
+    ValueError / FileNotFoundError naming the config field.
+  """
+  if not config.model.checkpoint:
+    return
+  with input_files.named("config.model.checkpoint"):
+    path = hub.local_path(config.model.checkpoint, files=_CONFIG_FILES,
+                          download=config.model.download)
+    input_files.check(path, "directory", what="checkpoint")
+    adapter = None
+    if peft_io.is_adapter_dir(path):
+      adapter = peft_io.read_config(path)
+      base = adapter["base_model_name_or_path"]
+      model_config = models.load_config(hub.local_path(base, files=_CONFIG_FILES,
+                                                       download=config.model.download))
+    else:
+      model_config = models.load_config(path)
+  try:
+    data.check_tokenizer(model_config, tokenizer)
+  except ValueError as error:
+    raise ValueError(f"config.tokenizer: {error} (model.checkpoint={config.model.checkpoint!r})"
+                     ) from None
+  specs.validate_model(config, model_config, config.model.checkpoint)
+  if adapter is None or lora_lib.spec_of(config.model.lora) is None:
+    return  # Rank 0: the adapter's merged weights train, whatever it adapts.
+  with input_files.named("config.model.checkpoint"):
+    local = hub.local_path(config.model.checkpoint, files=peft_io.FILES,
+                           download=config.model.download)
+    with contextlib.ExitStack() as stack:
+      modules = peft_io.adapted_modules(
+          local, hf_io.Reader(local, stack, single=peft_io.WEIGHTS_FILE))
+  family = models.family.of(model_config)
+  abstract = nnx.eval_shape(lambda: family.model_cls(model_config, rngs=nnx.Rngs(0)))
+  rank = adapter["r"]
+  _check_adapter_spec(config, abstract, rank, float(adapter["lora_alpha"]) / rank, set(modules))
 
 
 def _load_options(config: ml_collections.ConfigDict) -> dict[str, Any]:

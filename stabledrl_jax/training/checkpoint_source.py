@@ -33,7 +33,7 @@ import ml_collections
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import hub, models, tokenizers
+from stabledrl_jax import hub, input_files, models, tokenizers, workdir_files
 from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.models import hf_io, peft_io
 from stabledrl_jax.models import lora as lora_lib
@@ -103,9 +103,14 @@ def training_config(path: epath.PathLike) -> ml_collections.ConfigDict | None:
   path = epath.Path(path)
   if path.is_dir():
     path = path / "config.json"
+  # A FIFO or a device there is one line naming it, never opened (``workdir_files``).
+  text = workdir_files.read_bytes(path, "training config", error=input_files.InputError,
+                                  missing_ok=True)
+  if text is None:
+    return None
   try:
-    config = json.loads(path.read_text())
-  except (OSError, ValueError):
+    config = json.loads(text)
+  except ValueError:
     return None
   if not _is_training_config(config):
     return None
@@ -132,12 +137,14 @@ def exported_config(path: str) -> ml_collections.ConfigDict | None:
     ValueError: the file is there but unreadable, or holds no training config.
   """
   file = os.path.join(path, EXPORT_FILE)
-  if not os.path.isfile(file):
+  # Absent: none. A FIFO or a device there is one line naming it, never opened.
+  text = workdir_files.read_bytes(file, "export record", error=input_files.InputError,
+                                  missing_ok=True)
+  if text is None:
     return None
   try:
-    with open(file, encoding="utf-8") as f:
-      record = json.load(f)
-  except (OSError, ValueError) as error:
+    record = json.loads(text)
+  except ValueError as error:
     raise ValueError(f"{file} is not readable JSON ({error}); delete it to evaluate {path} as a "
                      "plain Hugging Face checkpoint") from None
   config = record.get("config") if isinstance(record, dict) else None

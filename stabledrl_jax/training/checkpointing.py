@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import socket
 import stat
 import sys
@@ -45,6 +44,13 @@ CHECKPOINT_DIR = "checkpoints"
 # Checkpoints that could not be restored are moved here (beside checkpoints/, out of orbax's
 # sight), not deleted: the evidence stays.
 DAMAGED_DIR = "checkpoints_damaged"
+# Checkpoints of a trajectory the collapse guard undid (the steps after the one it restored) are
+# moved here, out of the resume's way, for the same reason.
+COLLAPSED_DIR = "checkpoints_collapsed"
+
+
+class SaveRefusedError(RuntimeError):
+  """orbax declined a save (a step at or below its latest): the state was not written."""
 
 
 def _use_distributed_barriers() -> None:
@@ -182,6 +188,9 @@ class Checkpointer:
         workdir_files.make_dir(self.directory)  # A real directory, not a link out.
         if jax.process_index() == 0:
           self._remove_unfinished()
+      # orbax reads each step's metadata as it starts: a FIFO there would hang it.
+      for metadata in self.directory.glob("*/_CHECKPOINT_METADATA"):
+        workdir_files.regular_file(metadata, "checkpoint metadata")
       self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -197,13 +206,20 @@ class Checkpointer:
       WorkdirError: this save, or the asynchronous one before it, could not be written (one
         line naming the step's directory and the cause; what it staged is removed, and the
         last complete checkpoint stays the latest).
+      SaveRefusedError: orbax declined to save ``step`` (it keeps only steps above its latest):
+        never a silent loss of the state.
     """
     self.wait()  # The save before it: its failure names its own step.
     self._pending = step
     self._threads_before_save = frozenset(threading.enumerate())
     with self._failing_save():
-      self._manager.save(step, args=ocp.args.Composite(
+      saved = self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    if not saved:
+      self._pending = None
+      raise SaveRefusedError(
+          f"checkpoint step {step} was not saved in {self.directory}: orbax saves only steps "
+          f"above its latest ({self.latest_step()}); move the later steps aside first")
 
   @contextlib.contextmanager
   def _failing_save(self):
@@ -229,7 +245,7 @@ class Checkpointer:
     pattern = re.compile(rf"{step if step is not None else '[0-9]+'}\.orbax-checkpoint-tmp")
     for name in os.listdir(self.directory):
       if pattern.match(name):
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        workdir_files.remove(os.path.join(self.directory, name))
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """The state (placed like ``abstract_state``: shapes, dtypes, shardings) and meta of ``step``."""
@@ -259,10 +275,10 @@ class Checkpointer:
     """The shapes of the arrays of ``step``'s state item, sorted (from its metadata alone)."""
     return sorted(shape for shapes in self.stored_fields(step).values() for shape in shapes)
 
-  def set_aside(self, step: int) -> epath.Path:
-    """Moves checkpoint ``step`` to ``<workdir>/checkpoints_damaged/<step>`` (process 0; the
-    others wait) and forgets it; returns where it went."""
-    target = self.directory.parent / DAMAGED_DIR / str(step)
+  def set_aside(self, step: int, to: str = DAMAGED_DIR) -> epath.Path:
+    """Moves checkpoint ``step`` to ``<workdir>/<to>/<step>`` (``<step>.<n>`` if that exists;
+    process 0, the others wait) and forgets it; returns where it went."""
+    target = self.directory.parent / to / str(step)
     if jax.process_index() == 0:
       workdir_files.make_dir(target.parent)
       if target.exists():
@@ -273,6 +289,11 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
     self._manager.reload()
     return target
+
+  def delete(self, step: int) -> None:
+    """Removes checkpoint ``step`` (orbax's delete: every process calls it)."""
+    self.wait()
+    self._manager.delete(step)
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """The parameters of ``step`` alone; the optimizer state is not read.
@@ -437,18 +458,24 @@ def restore_run(checkpointer: Checkpointer, state: Any, config: Any, *,
   (a fresh ``TrainState``, placed as the run places it), and its meta; after checking that it
   is this run's (``check_resume``, before anything is written).
 
-  Checkpoints newer than it that cannot be read, or whose parameters are not all finite, are
-  moved to ``<workdir>/checkpoints_damaged/`` with a warning naming why. If none restores,
-  nothing is moved (a fault that hits every step is not damage) and the error says why the
-  latest failed. A checkpoint of another run (other model, objective, tokenizer) is an error,
-  never damage. ``base_identity`` (a LoRA run's ``lora_base.identity``): a checkpoint of the
-  adapters alone is checked against it and joined with ``state``'s base.
+  Checkpoints newer than it that cannot be read (a FIFO or a device among its files, found by
+  kind before orbax opens anything: ``workdir_files.check_tree``), or whose parameters are not
+  all finite, are moved to ``<workdir>/checkpoints_damaged/`` with a warning naming why. If
+  none restores, nothing is moved (a fault that hits every step is not damage) and the error
+  says why the latest failed. A checkpoint of another run (other model, objective, tokenizer)
+  is an error, never damage. ``base_identity`` (a LoRA run's ``lora_base.identity``): a
+  checkpoint of the adapters alone is checked against it and joined with ``state``'s base.
   """
   abstract = abstract_like(state)
   fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
   damaged = []
   for step in reversed(checkpointer.all_steps()):
     where = f"{checkpointer.directory}/{step}"
+    try:  # orbax and tensorstore would open a FIFO planted among the step's files, for good.
+      workdir_files.check_tree(where)
+    except WorkdirError as error:
+      damaged.append((step, f"its files cannot be read ({error})"))
+      continue
     try:
       meta = checkpointer.restore_meta(step)
       stored = checkpointer.stored_fields(step)
@@ -549,11 +576,13 @@ class WorkdirLock:
       logging.warning("the workdir lock %s is a symbolic link (to %s); replacing the link with "
                       "a lock file", self.path, os.readlink(self.path))
       return {}
+    # A FIFO (whose open would wait for a writer for good, deaf to Ctrl-C) or a device is
+    # refused in one line, never opened (``workdir_files.open_regular``).
+    text = workdir_files.read_text(self.path, "the workdir lock", follow_links=False,
+                                   missing_ok=True)
     try:
-      fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-      with os.fdopen(fd) as file:
-        owner = json.loads(file.read())
-    except (OSError, ValueError):
+      owner = json.loads(text or "")
+    except ValueError:
       return {}
     return owner if isinstance(owner, dict) else {}
 

@@ -22,6 +22,8 @@ import json
 import statistics
 from typing import Any, Mapping, Sequence
 
+from stabledrl_jax import workdir_files
+
 # The reward the rules (and the sweeps) watch: the task's correctness term (every task has one),
 # without the terms every completion gets (StableDRL's anti-short-boxed reward).
 REWARD_METRIC = "rewards/correctness"
@@ -92,6 +94,43 @@ def _reward_sign(steps: list[Mapping[str, Any]], rules: Rules) -> dict[str, Any]
   return None
 
 
+def events_on_resume(saved: Sequence[Mapping[str, Any]] | None,
+                     written: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """The guard's events of a run resumed from a checkpoint whose meta holds ``saved`` (None: a
+  checkpoint of a version that kept them in ``EVENTS_FILE`` alone), given the events
+  ``written`` in that file.
+
+  A restore saves its restored step with the event in its meta before the file is written, so
+  the checkpoint is the record: the file adds only what no checkpoint carries, a stop after an
+  unsaved (skipped) step, when it continues the checkpoint's events.
+  """
+  if saved is None:
+    return [dict(e) for e in written]
+  saved, written = [dict(e) for e in saved], [dict(e) for e in written]
+  if len(written) > len(saved) and written[:len(saved)] == saved:
+    return saved + [e for e in written[len(saved):] if e.get("action") == "stop"][:1]
+  return saved
+
+
+def lr_scale_of(events: Sequence[Mapping[str, Any]]) -> float:
+  """The learning-rate scale the events leave: the last restore's (1 before any)."""
+  restores = [e for e in events if e.get("action") == "restore"]
+  return float(restores[-1]["lr_scale"]) if restores else 1.0
+
+
+def stopped_by(events: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+  """The guard's stop that ended the run (the last event, if it is one), else None."""
+  return events[-1] if events and events[-1].get("action") == "stop" else None
+
+
+def restores_since_go_on(events: Sequence[Mapping[str, Any]]) -> int:
+  """The restores counted against ``max_restores``: those after the last 'go on'."""
+  count = 0
+  for event in events:
+    count = 0 if event.get("action") == "go_on" else count + (event.get("action") == "restore")
+  return count
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardSettings:
   """``train.collapse_guard``: off by default.
@@ -101,7 +140,10 @@ class GuardSettings:
     action: 'restore' (the best checkpoint by eval, the learning rate times ``lr_factor``, the
       run goes on from there) or 'stop' (the run ends, its last checkpoint kept).
     lr_factor: in (0, 1], what each restore multiplies the learning rate by.
-    max_restores: restores allowed; a collapse after them stops the run.
+    max_restores: restores allowed (since the last 'go on'); a collapse after them stops the run.
+    go_on: a rerun of a run the guard stopped trains on from its last checkpoint (the rules
+      then judge the run from there, and the restores are counted afresh); without it the rerun
+      says that the guard stopped it and trains nothing.
     rules: the criteria.
   """
 
@@ -109,6 +151,7 @@ class GuardSettings:
   action: str = "restore"
   lr_factor: float = 0.5
   max_restores: int = 2
+  go_on: bool = False
   rules: Rules = Rules()
 
   @classmethod
@@ -139,14 +182,15 @@ class GuardSettings:
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}.{name}: needs an integer >= 1, got {value!r}")
     return cls(enabled=bool(get("enabled", False)), action=action, lr_factor=factor,
-               max_restores=restores, rules=rules)
+               max_restores=restores, go_on=bool(get("go_on", False)), rules=rules)
 
 
 def load_events(path: Any) -> tuple[list[dict[str, Any]], float]:
   """The events and learning-rate scale a guard wrote to ``path`` (``EVENTS_FILE``); a file that
   is not one is a one-line ValueError naming it."""
+  text = workdir_files.read_bytes(path, "collapse guard's events file", error=ValueError)
   try:
-    saved = json.loads(path.read_text())
+    saved = json.loads(text)
     events, scale = list(saved["events"]), float(saved["lr_scale"])
     if not (0 < scale <= 1 and all(isinstance(e, dict) and "action" in e for e in events)):
       raise ValueError("its values are out of range")
@@ -161,13 +205,18 @@ class Trajectory:
   restored step, and the steps run again replace them), read back from ``metrics.jsonl`` on a
   resume."""
 
-  def __init__(self, records: Sequence[Mapping[str, Any]] = (), *, upto: int | None = None):
+  def __init__(self, records: Sequence[Mapping[str, Any]] = (), *, upto: int | None = None,
+               after: int | None = None):
+    """``upto``: the step the run resumes from (later records are dropped); ``after``: the step
+    a 'go on' continued from (the rules judge only the steps after it)."""
     self._by_step: dict[int, dict[str, Any]] = {}
     for record in records:  # File order: a step run again after a restore replaces its first.
       if "step" in record and not any(k.startswith(GUARD_PREFIX) for k in record):
         self._by_step[int(record["step"])] = dict(record)
     if upto is not None:
       self.truncate(upto)
+    if after is not None:
+      self._by_step = {s: r for s, r in self._by_step.items() if s > after}
 
   def add(self, record: Mapping[str, Any]) -> None:
     self._by_step[int(record["step"])] = dict(record)

@@ -96,9 +96,11 @@ def base_config() -> ml_collections.ConfigDict:
       # that a slice of the rollout batch fits; 0: all at once.
       microbatch_groups=0,
       # Options of the family's own sampler beyond the common ones (Dream: top_p, top_k,
-      # alg_temp, eps; models/dream/sampler.py); a family refuses a name it does not take. A
-      # config lists the names it sets, so that --config.rollout.family_options.<name> works.
-      family_options=ml_collections.ConfigDict()))
+      # alg_temp, eps; models/dream/sampler.py). Every registered family's options are listed,
+      # unset (None: the sampler's default), so that --config.rollout.family_options.<name>
+      # works for any family (``family_option_fields``); a family refuses a name it does not
+      # take only when it is set.
+      family_options=ml_collections.ConfigDict(family_option_fields())))
 
   # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/objectives/),
   # defaulting to its official code's (docs/algorithms.md lists them with their sources). Its
@@ -151,13 +153,14 @@ def base_config() -> ml_collections.ConfigDict:
       # default: after every step the study's rule (eval or the reward's window mean falling
       # past its margin after rising, or max_skipped skipped updates); on collapse 'restore'
       # (the best checkpoint by eval, the learning rate times lr_factor, at most max_restores
-      # times) or 'stop'.
+      # times) or 'stop'. A rerun of a run it stopped trains nothing unless go_on.
       collapse_guard=ml_collections.ConfigDict(dict(
           enabled=False, action="restore", lr_factor=0.5, max_restores=2, eval_margin=2.0,
-          reward_margin=0.02, window=20, max_skipped=1))))
+          reward_margin=0.02, window=20, max_skipped=1, go_on=False))))
   # steps 0: gen/2. family_options: the evaluation's own values of rollout.family_options.
-  c.eval = ml_collections.ConfigDict(dict(every_steps=100, batch_size=64, steps=0,
-                                          family_options=ml_collections.ConfigDict()))
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=100, batch_size=64, steps=0,
+      family_options=ml_collections.ConfigDict(family_option_fields())))
   # What process 0 logs besides metrics.jsonl and TensorBoard (docs/training.md, "Metrics").
   c.logging = ml_collections.ConfigDict(dict(
       # A few rollouts (prompt, completion, reward) every N RL steps in samples.jsonl and as
@@ -240,6 +243,55 @@ def estimator_option_fields() -> dict[str, Any]:
         kind = _PLACEHOLDER_TYPES[ast.unparse(arg.annotation)]
         fields.setdefault(arg.arg, "" if kind is str else config_dict.placeholder(kind))
   return fields
+
+
+def family_option_fields() -> dict[str, Any]:
+  """{option: unset placeholder} for every sampler option a model family under
+  ``stabledrl_jax/models/`` declares (``Family.options`` of its ``register(Family(...))``: a
+  dict of ``Option(kind, ...)``), typed by its kind, so that each option is declared once, in
+  the family's record, and ``--config.rollout.family_options.<name>`` (and ``eval.``'s) can set
+  it for any family.
+
+  Read from the modules' source (``ast``), not imported: loading a config loads no JAX. The
+  options dict may be written in the ``Family(...)`` call, or named there as a module-level dict
+  of the family's package (``options=sampler.OPTIONS``). A family registered elsewhere (a
+  plugin) lists its options in its config file (tests/test_validation.py holds these fields to
+  the registered families').
+  """
+  fields = {}
+  for init in sorted(_package_dir("models").glob("*/__init__.py")):
+    tree = pyast.parse(init.read_text(), str(init))
+    for call in ast.walk(tree):
+      if not (isinstance(call, ast.Call) and _called_name(call.func) == "Family"):
+        continue
+      declared = next((kw.value for kw in call.keywords if kw.arg == "options"), None)
+      options = _module_dict(declared, tree, init.parent) if declared is not None else None
+      for key, value in zip(options.keys, options.values) if options is not None else ():
+        kind = value.args[0] if isinstance(value, ast.Call) and value.args else None
+        if isinstance(key, ast.Constant) and isinstance(kind, ast.Name):
+          fields.setdefault(key.value, config_dict.placeholder(_PLACEHOLDER_TYPES[kind.id]))
+  return fields
+
+
+def _module_dict(node: ast.AST, tree: ast.Module, package: pathlib.Path) -> ast.Dict | None:
+  """The dict literal ``node`` is, or names: a module-level name of ``tree``, or ``module.NAME``
+  of a module of ``package``."""
+  if isinstance(node, ast.Dict):
+    return node
+  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+    path = package / f"{node.value.id}.py"
+    if not path.is_file():
+      return None
+    tree, name = pyast.parse(path.read_text(), str(path)), node.attr
+  elif isinstance(node, ast.Name):
+    name = node.id
+  else:
+    return None
+  for item in tree.body:
+    if (isinstance(item, ast.Assign) and isinstance(item.value, ast.Dict)
+        and any(isinstance(t, ast.Name) and t.id == name for t in item.targets)):
+      return item.value
+  return None
 
 
 def _called_name(node: ast.AST) -> str:

@@ -26,6 +26,18 @@ from stabledrl_jax.models import family as family_lib
 from stabledrl_jax.training import data, mesh as mesh_lib, multihost
 
 
+# The highest sampling temperature a decoding takes: far above 1 every completion is close to
+# uniform noise, and a huge one overflows the logits' scale (rollout.temperature is bounded
+# tighter, at 10: ``specs.FLOAT_RANGES``).
+MAX_TEMPERATURE = 100.0
+
+
+def set_options(section: Any) -> dict[str, Any]:
+  """The family options a config section sets (``rollout.family_options``): those not None (a
+  name every registered family declares is listed, unset, in ``config_lib.base_config``)."""
+  return {k: v for k, v in dict(section or {}).items() if v is not None}
+
+
 def default_steps(gen_length: int, block_length: int) -> int:
   """Denoising steps when none are given: gen_length / 2 (d1's protocol), at least one per
   block."""
@@ -40,7 +52,7 @@ class Decoding:
     gen_length: completion tokens G.
     steps: denoising steps over the completion (0: ``default_steps``).
     block_length: LLaDA's semi-autoregressive blocks (SDAR decodes by its model's blocks).
-    temperature: 0 for greedy.
+    temperature: 0 for greedy; at most ``MAX_TEMPERATURE``.
     remasking: the family's rule (``rollout.remasking``'s values).
     threshold: tau of the threshold rules.
     cfg_scale: classifier-free guidance (LLaDA only; 0: off).
@@ -49,7 +61,8 @@ class Decoding:
     cache: block-wise KV caching of LLaDA's sampler ("none": exact, "prefix", "dual";
       ``models/llada/sampler.py``); SDAR's sampler always caches its finished blocks, exactly.
     family_options: (name, value) pairs of the family's own sampler options
-      (``rollout.family_options``: Dream's top_p, top_k, alg_temp, eps), sorted by name.
+      (``rollout.family_options``: Dream's top_p, top_k, alg_temp, eps), sorted by name; a
+      None value (unset) is dropped.
   """
 
   gen_length: int
@@ -64,7 +77,8 @@ class Decoding:
   family_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
-    object.__setattr__(self, "family_options", tuple(sorted(dict(self.family_options).items())))
+    object.__setattr__(self, "family_options", tuple(sorted(
+        (k, v) for k, v in dict(self.family_options).items() if v is not None)))
     if not self.steps:
       object.__setattr__(self, "steps", default_steps(self.gen_length, self.block_length))
 
@@ -78,8 +92,8 @@ class Decoding:
     """The trainer's held-out evaluation decode: ``config.rollout``'s sampler, greedy, at
     ``eval.steps``, exact (no KV cache) unless ``overrides`` say otherwise; its family options
     are the rollout's with ``eval.family_options`` over them."""
-    options = {**dict(config.rollout.get("family_options", {})),
-               **dict(config.eval.get("family_options", {}))}
+    options = {**set_options(config.rollout.get("family_options")),
+               **set_options(config.eval.get("family_options"))}
     return cls.of_rollout(config.rollout, temperature=0.0, steps=config.eval.steps,
                           **{"cache": "none", "family_options": tuple(options.items()),
                              **overrides})
@@ -91,7 +105,7 @@ class Decoding:
     fields = dict(gen_length=rollout.gen_length, steps=steps, block_length=rollout.block_length,
                   temperature=temperature, remasking=rollout.remasking,
                   threshold=rollout.threshold, cache=rollout.get("cache", "none"),
-                  family_options=tuple(dict(rollout.get("family_options", {})).items()))
+                  family_options=tuple(set_options(rollout.get("family_options")).items()))
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**fields)
 
@@ -101,7 +115,11 @@ class Decoding:
 
   def check(self, model_config: Any) -> None:
     """Raises ValueError (one line) unless the sampler of ``model_config``'s family accepts these
-    settings (``Family.sampling``; cheap: nothing compiles, no weight is read)."""
+    settings (``Family.sampling``; cheap: nothing compiles, no weight is read), at a
+    temperature of at most ``MAX_TEMPERATURE`` (each sampler refuses one below 0)."""
+    if self.temperature > MAX_TEMPERATURE:
+      raise ValueError(f"temperature: must be at most {MAX_TEMPERATURE:g} (0: greedy; far above 1 "
+                       f"the completions are close to uniform noise), got {self.temperature!r}")
     family_lib.of(model_config).sampling(self, model_config)
 
   def describe(self) -> dict[str, Any]:

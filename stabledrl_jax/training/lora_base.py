@@ -8,6 +8,10 @@ it comes from and a fingerprint of it (SHA-256 of each safetensors file's size, 
 names, shapes, dtypes, offsets) and first and last MiB of data; of the model config and seed
 for a fresh one). A resume whose base has another identity is refused in one line: the adapters
 were trained on another model.
+
+A base inside the workdir (its supervised start) is recorded relative to it (``WORKDIR_MARK``
+and the path below the workdir), so that a workdir moved or copied elsewhere resumes, exports
+and evaluates; a Hub id, or an absolute path, only for a base outside it.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import jax
 import ml_collections
 from etils import epath
 
-from stabledrl_jax import hub
+from stabledrl_jax import hub, workdir_files
 from stabledrl_jax.models import lora as lora_lib
 
 META_KEY = "lora_base"
 _SAMPLE = 1 << 20  # Bytes of data hashed at each end of a safetensors file.
+# How an identity names a base inside the workdir: "<workdir>/sft_model".
+WORKDIR_MARK = "<workdir>"
 
 
 def source(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> str:
@@ -49,7 +55,7 @@ def fingerprint_dir(path: str) -> str:
   if not files:
     raise ValueError(f"{path} has no safetensors files to identify the LoRA base by")
   for file in files:
-    with file.open("rb") as f:
+    with workdir_files.open_regular(file, "rb", what="LoRA base weights", error=ValueError) as f:
       f.seek(0, os.SEEK_END)
       size = f.tell()
       f.seek(0)
@@ -63,8 +69,20 @@ def fingerprint_dir(path: str) -> str:
   return digest.hexdigest()
 
 
+def recorded_source(where: str, workdir: epath.PathLike) -> str:
+  """``where`` as an identity records it: below ``WORKDIR_MARK`` if it lies inside the local
+  ``workdir``, else as given."""
+  if "://" in str(where) or "://" in str(workdir) or where == "init":
+    return where
+  base, root = os.path.realpath(where), os.path.realpath(os.fspath(workdir))
+  if base == root or not base.startswith(root + os.sep):
+    return where
+  return f"{WORKDIR_MARK}/{os.path.relpath(base, root)}"
+
+
 def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict[str, Any]:
-  """{"source", "base_dtype", "fingerprint"} of the frozen base of ``config``'s LoRA run."""
+  """{"source", "base_dtype", "fingerprint"} of the frozen base of ``config``'s LoRA run (the
+  source relative to the workdir where it lies inside it: ``recorded_source``)."""
   from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
   where = source(config, workdir)
   if where == "init":
@@ -77,13 +95,27 @@ def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict
   else:
     base = checkpoint_source.unwrapped(where)  # A PEFT adapter: its base.
     mark = fingerprint_dir(hub.local_path(base))
-  return {"source": where, "base_dtype": config.model.lora.base_dtype, "fingerprint": mark}
+  return {"source": recorded_source(where, workdir), "base_dtype": config.model.lora.base_dtype,
+          "fingerprint": mark}
+
+
+def _same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+  """Whether two identities name one base: equal, or a workdir's own supervised start recorded
+  by an older version as an absolute path (``.../sft_model``) and now relative, with the same
+  fingerprint and storage."""
+  if saved == current:
+    return True
+  old, new = str(saved.get("source", "")), str(current.get("source", ""))
+  relative = new.startswith(WORKDIR_MARK + "/")
+  return (relative and os.path.isabs(old) and old.endswith(new[len(WORKDIR_MARK):])
+          and {k: v for k, v in saved.items() if k != "source"}
+          == {k: v for k, v in current.items() if k != "source"})
 
 
 def check(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
   """ValueError in one line if checkpoint ``where``'s base (its meta's ``saved`` identity) is
   not the one this run rebuilt."""
-  if saved is None or saved == current:
+  if saved is None or _same_base(saved, current):
     return
   raise ValueError(f"{where} holds LoRA adapters trained on the base {saved['source']!r} "
                    f"(stored as {saved['base_dtype']}, fingerprint {saved['fingerprint'][:12]}), "

@@ -23,6 +23,70 @@ from jax.experimental import multihost_utils
 from stabledrl_jax.training import multihost
 
 
+# Set once any watcher of this process has taken a Ctrl-C: a later one, answered by a command
+# line's ``CommandLineInterrupts``, is the second.
+_INTERRUPTED = threading.Event()
+# The last command-line (``hard_stop``) watcher: after it is closed, ``CommandLineInterrupts``
+# stops as it would (its LOCK released, what was kept said).
+_LAST_WATCHER = []
+
+
+class CommandLineInterrupts:
+  """Ctrl-C in a command-line process outside a trainer's ``PreemptionWatcher`` (which takes
+  over SIGINT while it is installed, and gives it back when it is uninstalled or closed):
+  validation, the gaps of the build, an evaluation, and the teardown after a run has stopped.
+
+  With ``raise_first`` the first Ctrl-C raises KeyboardInterrupt in the main thread, as Python
+  does (the command says what it kept and exits 130). Any other is answered by a watchdog
+  thread woken by the signal itself (``signal.set_wakeup_fd``: it answers even while the main
+  thread waits inside a long jitted call, an orbax save or the interpreter's exit): one line,
+  and the process ends at once with status 130. Never a KeyboardInterrupt traceback from an
+  atexit callback or a library's thread, and never exit status 0 after a Ctrl-C. Install it
+  from the main thread; the process keeps it until it exits.
+  """
+
+  def __init__(self, *, raise_first: bool = False):
+    self._raise_first = raise_first
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGINT, self._on_interrupt)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=self._watch, args=(read,), name="stabledrl-interrupt-watchdog",
+                     daemon=True).start()
+
+  def exit_at_first(self) -> None:
+    """From now on (the command's work is done) any Ctrl-C ends the process at once."""
+    self._raise_first = False
+
+  def _on_interrupt(self, *_):
+    if self._raise_first:  # The watchdog answers a second one, if this one is not taken.
+      raise KeyboardInterrupt
+
+  def _watch(self, read: int) -> None:
+    """Reads the signal numbers the C-level handler writes to the pipe."""
+    count = 0
+    while True:
+      try:
+        data = os.read(read, 64)
+      except OSError:
+        return
+      if not data:
+        return
+      for signum in data:
+        if signum != signal.SIGINT:
+          continue
+        count += 1
+        if self._raise_first and count == 1:
+          continue  # The main thread's KeyboardInterrupt.
+        again = " again" if count > 1 or _INTERRUPTED.is_set() else ""
+        if _LAST_WATCHER:  # A trainer's: its LOCK released, and what it kept said.
+          stop = _LAST_WATCHER[-1]._stop_now  # pylint: disable=protected-access
+          stop(f"Interrupted{again}: stopping now", 128 + signal.SIGINT)
+        print(f"\nInterrupted{again}: stopping now.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGINT)  # pylint: disable=protected-access
+
+
 class PreemptionWatcher:
   """Whether a SIGTERM or SIGINT asks the run to stop, agreed by every process at one step
   boundary (of the supervised start or of RL).
@@ -56,6 +120,7 @@ class PreemptionWatcher:
     self._pipe = None
     self._wakeup = None
     if hard_stop and threading.current_thread() is threading.main_thread():
+      _LAST_WATCHER[:] = [self]
       self._pipe = os.pipe()
       os.set_blocking(self._pipe[1], False)
       threading.Thread(target=self._watch, name="stabledrl-signal-watchdog",
@@ -83,6 +148,7 @@ class PreemptionWatcher:
       if self._on_abort is not None:
         self._on_abort()
       raise KeyboardInterrupt
+    _INTERRUPTED.set()
     self._interrupted.set()
     print("\nInterrupted: saving at the end of this step (Ctrl-C again to stop now).",
           file=sys.stderr, flush=True)
@@ -101,6 +167,7 @@ class PreemptionWatcher:
       for signum in data:
         if signum == signal.SIGINT:
           interrupts += 1
+          _INTERRUPTED.set()
           if interrupts == 1:
             self._interrupted.set()
             print("\nInterrupted: saving at the end of this step (Ctrl-C again to stop now).",

@@ -404,13 +404,45 @@ def _validate_rollout(config: ml_collections.ConfigDict, family: family_lib.Fami
            f"{r.remasking!r} is not one of {family.remasking} (model.family={family.name!r})")
   _require(r.get("cache", "none") in family.caches, "rollout.cache",
            f"{r.get('cache')!r} is not one of {family.caches} (model.family={family.name!r})")
+  # The family's own options: each set one is declared by the family, in its range (a bound
+  # the model sets, top_k's vocabulary, where the model config is known).
+  for section in ("rollout", "eval"):
+    family_lib.check_options(family, decoding.set_options(config[section].get("family_options")),
+                             f"{section}.family_options", named)
   if named is not None:  # The family's sampler takes the rollout's decoding, its options too.
-    try:
-      decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps).check(named)
-    except ValueError as err:
-      where = "config." if str(err).startswith("rollout.") else "config.rollout: "
-      raise ValueError(f"{where}{err}") from None
+    check_rollout_decoding(config, named)
   _validate_eval_steps(config, named)
+
+
+def check_rollout_decoding(config: ml_collections.ConfigDict, model_config: Any) -> None:
+  """Raises ValueError naming the ``config.rollout`` field (or family option) whose decoding
+  the sampler of ``model_config``'s family does not take."""
+  r = config.rollout
+  try:
+    decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps).check(model_config)
+  except ValueError as err:
+    where = "config." if str(err).startswith("rollout.") else "config.rollout: "
+    raise ValueError(f"{where}{err}") from None
+
+
+def validate_model(config: ml_collections.ConfigDict, model_config: Any, where: str) -> None:
+  """The checks that need the model's config, for a checkpoint's (``where``: its path), known
+  from its config.json before any weight is read: its family is ``model.family``, its sampler
+  decodes the rollout layout and takes the rollout's and the evaluation's decoding with their
+  family options (top_k within its vocabulary).
+
+  Raises:
+    ValueError: naming the config field.
+  """
+  family = family_lib.of(model_config)
+  _require(family.name == config.model.family, "model.family",
+           f"{config.model.family!r}, but {where} holds a {family.name} model")
+  family.check_rollout(config.rollout, model_config)
+  for section in ("rollout", "eval"):
+    family_lib.check_options(family, decoding.set_options(config[section].get("family_options")),
+                             f"{section}.family_options", model_config)
+  check_rollout_decoding(config, model_config)
+  _validate_eval_steps(config, model_config)
 
 
 def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
@@ -569,6 +601,14 @@ def _validate_task_data(config: ml_collections.ConfigDict) -> None:
       data.make_examples(config, split)  # Lazy: only the examples the alphabet check reads.
     except TypeError as err:  # An option the task's generator does not take.
       raise ValueError(f"config.data.generator: {err}") from None
+  # The supervised start's imperfect demonstrator (data.noisy_demonstration) is the task's:
+  # without one, its first step would fail, after the workdir was made.
+  sft = config.sft
+  if sft.num_steps and not config.model.checkpoint and sft.demo_error_rate > 0:
+    task = tasks.get_task(config.task.name)
+    _require(task.demonstrate is not None, "sft.demo_error_rate",
+             f"{sft.demo_error_rate:g} > 0 needs a task with an imperfect demonstrator "
+             f"(Task.demonstrate), and {task.name!r} has none: set it to 0")
 
 
 def _validate_estimator(config: ml_collections.ConfigDict, family: family_lib.Family) -> None:

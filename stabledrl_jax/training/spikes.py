@@ -94,8 +94,9 @@ def write_spike(workdir: epath.PathLike, step: int, arrays: dict[str, Any]) -> e
 def read_spike(path: epath.PathLike) -> dict[str, np.ndarray]:
   """A spike file's arrays by name (strings as numpy unicode arrays, no pickles)."""
   path = epath.Path(path)
+  content = workdir_files.read_bytes(path, "spike file", error=ValueError)  # Never a FIFO.
   try:
-    with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as data:
+    with np.load(io.BytesIO(content), allow_pickle=False) as data:
       return {name: data[name] for name in data.files}
   except (OSError, ValueError) as error:
     raise ValueError(f"{path}: not a readable spike file ({error})") from None

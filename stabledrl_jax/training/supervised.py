@@ -138,7 +138,7 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
   progress_dir = epath.Path(workdir) / SFT_PROGRESS_DIR
   if (path / "config.json").exists():
     if multihost.is_primary() and progress_dir.exists():  # A stop after the fit was written.
-      progress_dir.rmtree()
+      workdir_files.remove(progress_dir)  # Never opened: a FIFO would block.
     return build.load_pretrained(path, mesh, config)
   rollout = config.rollout
   rng = np.random.default_rng(config.seed)
@@ -198,7 +198,7 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
         seed=config.seed, mask_id=model.config.mask_token_id, log=log,
         place=lambda x: jax.device_put(x, rows), optimizer=optimizer, start_step=done[0],
         stop=asked_to_stop)
-    if stopped[0]:
+    if stopped[0] and done[0] != progress.latest_step():  # Else that step is saved already.
       progress.save(done[0], _sft_state(model, optimizer), {
           "step": done[0], "rng": rng.bit_generator.state, "identity": identity,
           "config": json.loads(config.to_json_best_effort())})
@@ -209,7 +209,7 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
     progress.close()
   _save_pretrained(model, path, mesh)
   if multihost.is_primary() and progress_dir.exists():
-    progress_dir.rmtree()
+    workdir_files.remove(progress_dir)
   multihost.sync("stabledrl_jax: supervised progress removed")
   return model
 

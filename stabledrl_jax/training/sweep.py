@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
-from stabledrl_jax import objectives
+from stabledrl_jax import objectives, workdir_files
 from stabledrl_jax.training import collapse, metrics_writer, supervised, trainer
 
 _RESULT_FILE = "run_result.json"
@@ -136,15 +136,13 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
       done = None
     if done is not None and done.config == identity:
       return done
-    if done is None and os.path.exists(begun):  # Cut short: the trainer resumes it.
-      with open(begun) as f:
-        resume = f.read() == identity
+    if done is None:  # Cut short: the trainer resumes it. Never a FIFO opened.
+      resume = workdir_files.read_text(begun, "sweep run marker", missing_ok=True) == identity
   if not resume:
-    shutil.rmtree(workdir, ignore_errors=True)
+    workdir_files.remove(workdir)
     os.makedirs(workdir)
     shutil.copytree(start, os.path.join(workdir, supervised.SFT_DIR))
-    with open(begun, "w") as f:
-      f.write(identity)
+    workdir_files.write_text(begun, identity)
   began = time.perf_counter()
   stopped = ""
   try:
@@ -158,8 +156,8 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
     raise SystemExit(f"{workdir}: stopped by a signal at step {done} of "
                      f"{config.train.num_steps} (saved); rerun the same command to resume it")
   wall_s = time.perf_counter() - began
-  with open(os.path.join(workdir, _RESULT_FILE), "w") as f:
-    json.dump({"wall_s": wall_s, "stopped": stopped, "config": identity}, f)
+  workdir_files.write_text(os.path.join(workdir, _RESULT_FILE),
+                           json.dumps({"wall_s": wall_s, "stopped": stopped, "config": identity}))
   return RunResult(history=history, wall_s=wall_s, stopped=stopped, config=identity)
 
 
@@ -201,10 +199,10 @@ def _guard_stop(workdir: str) -> str:
 def finished_run(workdir: str) -> RunResult:
   """The result of a run that ``train_from_start`` finished in ``workdir``, read back."""
   path = os.path.join(workdir, _RESULT_FILE)
-  if not os.path.exists(path):
+  text = workdir_files.read_text(path, "sweep result", missing_ok=True)  # Never a FIFO opened.
+  if text is None:
     raise FileNotFoundError(f"no finished run in {workdir!r} (no {_RESULT_FILE})")
-  with open(path) as f:
-    result = json.load(f)
+  result = json.loads(text)
   history = _trajectory(workdir)
   return RunResult(history=history, wall_s=result["wall_s"], stopped=result["stopped"],
                    config=result.get("config", ""))

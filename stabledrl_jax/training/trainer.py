@@ -34,11 +34,17 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import tasks, workdir_files
+from stabledrl_jax import path_args, tasks, workdir_files
 from stabledrl_jax.training import build, checkpointing, collapse, data, decoding, lora_base
 from stabledrl_jax.training import mesh as mesh_lib, metrics_writer, multihost, preemption
 from stabledrl_jax.training import reward_pool, rl_step as rl_step_lib, rollout as rollout_lib
 from stabledrl_jax.training import optimizer as optimizer_lib, specs, step_metrics, supervised
+
+
+# Keys of a checkpoint's meta: the records metrics.jsonl and samples.jsonl held when it was
+# saved (a resume keeps exactly those), and the collapse guard's events and learning-rate scale.
+LOGGED_KEY = "logged"
+GUARD_KEY = "collapse_guard"
 
 
 class TooManySkipsError(RuntimeError):
@@ -52,7 +58,16 @@ class Trainer:
                hard_stop: bool = False):
     """``hard_stop`` (the command line): a second Ctrl-C, or a SIGTERM not answered within
     ``train.stop_grace_s``, ends the process at once even inside a long jitted call
-    (``preemption.PreemptionWatcher``); a notebook keeps its kernel (KeyboardInterrupt)."""
+    (``preemption.PreemptionWatcher``); a notebook keeps its kernel (KeyboardInterrupt).
+
+    Everything that can be checked without the workdir is checked before anything is created
+    in it (docs/reliability.md): the workdir's name (``path_args.check``), the config, the
+    tokenizer, the task's data, and a checkpoint's config files (fetched from the Hub where
+    ``model.checkpoint`` is an id: offline and not cached fails here), a PEFT adapter's rank,
+    alpha and targets included (``build.check_checkpoint``). A start that fails later (a
+    model's weights that cannot be read) removes the directories it created while they are
+    empty (``path_args.remove_debris``): never anything that existed before it."""
+    path_args.check(workdir, "workdir")
     specs.validate(config, num_devices=jax.device_count())
     if config.train.compilation_cache_dir:  # Before anything compiles.
       jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
@@ -63,21 +78,43 @@ class Trainer:
     # Why a signal stopped the build (the supervised start saved its progress), else ''.
     self.stopped = ""
     self.writer = self.checkpointer = self.scorer = None  # Closed by ``close``, whatever exists.
-    if self.primary:
-      with checkpointing.writing(self.workdir):
-        self.workdir.mkdir(parents=True, exist_ok=True)
-      self.lock = checkpointing.WorkdirLock(self.workdir)  # Refuses a second trainer.
+    self.mesh = mesh_lib.make_mesh(config.mesh)
+    self.tokenizer = data.make_tokenizer(config.tokenizer)
+    self.task = tasks.get_task(config.task.name)
+    # Prompts longer than rollout.prompt_length are skipped and counted (none fitting fails at
+    # once).
+    prompt_spec = specs.resolve_rollout(config)
+    self.train_examples = data.fitting_examples(prompt_spec, self.tokenizer, self.task,
+                                                data.make_examples(config, "train"),
+                                                split="train")
+    self.eval_prompts = data.encode_examples(
+        prompt_spec, self.tokenizer, self.task,
+        data.fitting_examples(prompt_spec, self.tokenizer, self.task,
+                              data.make_examples(config, "eval"), split="eval"))
+    build.check_checkpoint(config, self.tokenizer)
+    # What this invocation creates: the workdir (and its missing parents), or new entries in it.
+    created = path_args.missing_dirs(self.workdir) if self.primary else []
+    before = path_args.entries(self.workdir) if self.primary else set()
     # From here SIGTERM and SIGINT stop at the next step boundary, the supervised start's ones
     # included; the handlers are restored after the build and installed again by ``run``.
     self.watcher = preemption.PreemptionWatcher(
         on_abort=self._release_lock, grace_s=config.train.stop_grace_s, hard_stop=hard_stop,
         kept=self._kept)
     try:
+      if self.primary:
+        with checkpointing.writing(self.workdir):
+          self.workdir.mkdir(parents=True, exist_ok=True)
+        self.lock = checkpointing.WorkdirLock(self.workdir)  # Refuses a second trainer.
       self._build(config)
     except supervised.Stopped as stop:
       self.stopped = str(stop)
     except BaseException:
+      lock, self.lock = self.lock, None  # Held while the debris goes: no other trainer's.
       self._close(raising=False)  # orbax's and the reward pool's threads end before the error.
+      if lock is not None:
+        path_args.remove_debris(self.workdir, before | {checkpointing.WorkdirLock.NAME})
+        lock.release()
+      path_args.remove_created(created)
       raise
     finally:
       self.watcher.uninstall()
@@ -99,23 +136,12 @@ class Trainer:
       self.lock = None
 
   def _build(self, config: ml_collections.ConfigDict) -> None:
-    self.mesh = mesh_lib.make_mesh(config.mesh)
+    """The run's parts, in the workdir (the mesh, the tokenizer and the data are ``__init__``'s,
+    built before it touches the workdir)."""
     r = config.rollout
-    self.tokenizer = data.make_tokenizer(config.tokenizer)
-    self.task = tasks.get_task(config.task.name)
     self.scorer = reward_pool.RewardScorer(self.task, config.task.reward,
                                            workers=config.task.reward_workers,
                                            timeout_s=config.task.reward_timeout_s)
-    # Before the model and the supervised start: prompts longer than rollout.prompt_length are
-    # skipped and counted (none fitting fails at once).
-    prompt_spec = specs.resolve_rollout(config)
-    self.train_examples = data.fitting_examples(prompt_spec, self.tokenizer, self.task,
-                                                data.make_examples(config, "train"),
-                                                split="train")
-    self.eval_prompts = data.encode_examples(
-        prompt_spec, self.tokenizer, self.task,
-        data.fitting_examples(prompt_spec, self.tokenizer, self.task,
-                              data.make_examples(config, "eval"), split="eval"))
     # Every process draws the same global batches and keeps its own groups: the position is the
     # same everywhere, and a resumed run (on any number of processes) draws what an
     # uninterrupted one would.
@@ -156,22 +182,35 @@ class Trainer:
     state = build.initial_state(parts, params, config.seed)
     self.start_step = 0
     self.base_identity = (lora_base.identity(config, self.workdir) if parts.run.lora else None)
+    meta = None
     if latest is not None:
       state, meta = checkpointing.restore_run(self.checkpointer, state, config,
                                               base_identity=self.base_identity)
       self.data_iter.restore(meta["data"])
       self.start_step = int(state.step)
     self.state = state
+    self.resumed = meta is not None  # (A restored step 0 is resumed, not started.)
+    # The records logged up to the resumed checkpoint: none for a fresh start; None for a
+    # checkpoint older than this count (the writer then keeps the records up to its step).
+    self.logged = {"metrics": 0, "samples": 0} if meta is None else meta.get(LOGGED_KEY)
+    self.step_log = step_metrics.StepLog(config, parts, self.rollouts.split, self.tokenizer,
+                                         self.workdir, [term.name for term in self.scorer.terms])
+    self.samples = []  # This step's sample rollouts, for the writer.
+    self._build_guard(meta)
+    if self.stopped:  # The guard stopped this run: nothing is written, nothing trained.
+      return
     if self.primary:  # Only now: a failed resume leaves the workdir as it was.
       workdir_files.write_text(self.workdir / "config.json",
                                config.to_json_best_effort(indent=2))
     self.writer = (metrics_writer.MetricsWriter(
-        self.workdir, resume_step=self.start_step, wandb=config.logging.wandb.to_dict(),
+        self.workdir, resume_step=self.start_step, resume_records=self.logged,
+        wandb=config.logging.wandb.to_dict(),
         config=json.loads(config.to_json_best_effort())) if self.primary else None)
-    self.step_log = step_metrics.StepLog(config, parts, self.rollouts.split, self.tokenizer,
-                                         self.workdir, [term.name for term in self.scorer.terms])
-    self.samples = []  # This step's sample rollouts, for the writer.
-    self._build_guard()
+    # From here every record is counted (``_write``); an older checkpoint's, as the writer kept.
+    self.logged = (self.writer.counts() if self.writer is not None
+                   else dict(self.logged or {"metrics": 0, "samples": 0}))
+    if self.guard.enabled:
+      self._resume_guard()
 
   # -------------------------------------------------------------------------
   # Pieces of a step.
@@ -221,10 +260,11 @@ class Trainer:
   # The collapse guard (training/collapse.py).
   # -------------------------------------------------------------------------
 
-  def _build_guard(self) -> None:
-    """The guard's trajectory (``metrics.jsonl`` up to the resumed step), its events and the
-    learning-rate scale earlier restores left (``collapse.EVENTS_FILE``), and the checkpoint of
-    the best eval."""
+  def _build_guard(self, meta: dict[str, Any] | None) -> None:
+    """The guard's events and the learning-rate scale earlier restores left: the resumed
+    checkpoint's (``collapse.events_on_resume``), and the checkpoint of the best eval. A run
+    the guard stopped is not trained again (``self.stopped`` says why) unless
+    ``train.collapse_guard.go_on``."""
     self.guard_events = []
     self.lr_scale = 1.0
     self.best_checkpointer = None
@@ -232,16 +272,47 @@ class Trainer:
     if not self.guard.enabled:
       return
     events = self.workdir / collapse.EVENTS_FILE
-    if events.exists():
-      self.guard_events, self.lr_scale = collapse.load_events(events)
-    metrics = self.workdir / "metrics.jsonl"
-    if metrics.exists() and self.start_step:
-      self.trajectory = collapse.Trajectory(metrics_writer.read_metrics(metrics),
-                                            upto=self.start_step)
+    written = collapse.load_events(events)[0] if events.exists() else []
+    if meta is not None:
+      saved = meta.get(GUARD_KEY)
+      self.guard_events = collapse.events_on_resume(
+          saved["events"] if saved is not None else None, written)
+    self.lr_scale = collapse.lr_scale_of(self.guard_events)
+    stop = collapse.stopped_by(self.guard_events)
+    if stop is not None:
+      if not self.guard.go_on:
+        self.stopped = (
+            f"the collapse guard stopped this run after step {stop.get('detected_at')} "
+            f"({stop.get('why')}); its best eval's state is in {self.workdir / collapse.BEST_DIR}"
+            ". Nothing was trained; to train on from step "
+            f"{self.start_step}, rerun with --config.train.collapse_guard.go_on=True")
+        return
+      self.guard_events.append({"action": "go_on", "step": self.start_step})
     self.best_checkpointer = checkpointing.Checkpointer(self.workdir, max_to_keep=1,
                                                         subdir=collapse.BEST_DIR)
+    # A best eval after the resumed step belongs to the steps about to run again: they save it
+    # again (orbax saves only steps above its latest).
+    for step in self.best_checkpointer.all_steps():
+      if step > self.start_step:
+        self.best_checkpointer.delete(step)
     if self.lr_scale != 1.0:
       self._scale_learning_rate(self.lr_scale)
+
+  def _resume_guard(self) -> None:
+    """The guard's trajectory: ``metrics.jsonl`` as the writer left it (the records up to the
+    resumed step), after the last 'go on' (the rules judge the run from there)."""
+    go_on = [e["step"] for e in self.guard_events if e.get("action") == "go_on"]
+    metrics = self.workdir / "metrics.jsonl"
+    if metrics.exists() and self.resumed:
+      self.trajectory = collapse.Trajectory(metrics_writer.read_metrics(metrics),
+                                            upto=self.start_step,
+                                            after=go_on[-1] if go_on else None)
+    if go_on and go_on[-1] == self.start_step and self.primary:
+      self._write_events()
+
+  def _write_events(self) -> None:
+    workdir_files.write_text(self.workdir / collapse.EVENTS_FILE, json.dumps(
+        {"events": self.guard_events, "lr_scale": self.lr_scale}, indent=2))
 
   def _scale_learning_rate(self, scale: float) -> None:
     """The update step with the optimizer at ``scale`` x ``optimizer.learning_rate`` (the same
@@ -264,13 +335,14 @@ class Trainer:
       self._save(done, checkpointer=self.best_checkpointer, extra={"eval": float(value)})
 
   def _guard(self, done: int, record: dict[str, Any], healthy: bool) -> int | None:
-    """After step ``done``: ``_track``, then the rules. Returns the step the run goes on from
-    after a restore, -1 to stop, None to go on."""
+    """After step ``done`` (before its checkpoint): ``_track``, then the rules. Returns the
+    step the run goes on from after a restore (saved as the latest checkpoint), -1 to stop,
+    None to go on."""
     self._track(done, record, healthy)
     event = collapse.first_collapse(self.trajectory.records(), self.guard.rules)
     if event is None:
       return None
-    restores = sum(e["action"] == "restore" for e in self.guard_events)
+    restores = collapse.restores_since_go_on(self.guard_events)
     self.checkpointer.wait()
     self.best_checkpointer.wait()
     best_step = self.best_checkpointer.latest_step()
@@ -290,15 +362,37 @@ class Trainer:
                    lr_scale=self.lr_scale)
     self.guard_events.append(event)
     if self.primary:
-      workdir_files.write_text(self.workdir / collapse.EVENTS_FILE, json.dumps(
-          {"events": self.guard_events, "lr_scale": self.lr_scale}, indent=2))
       logging.warning("collapse guard: %s at step %d (detected after step %d); %s",
                       event["why"], event["step"], done,
                       f"restored step {best_step} (eval {meta.get('eval')}), learning rate x "
                       f"{self.lr_scale:g}" if action == "restore" else "stopping the run")
     self._write(done, {"collapse_guard/restored_to": best_step if action == "restore" else -1,
                        "collapse_guard/lr_scale": self.lr_scale})
-    return best_step if action == "restore" else -1
+    if action == "stop":
+      if self.primary:
+        self._write_events()
+      return -1
+    self._keep_restore(best_step)
+    return best_step
+
+  def _keep_restore(self, step: int) -> None:
+    """Makes the restored ``step`` the run's latest checkpoint, so that a kill from here resumes
+    it: the checkpoints after it (the collapsed trajectory) are moved to
+    ``<workdir>/checkpoints_collapsed/``, and ``step`` is saved again with the event in its meta
+    (the restored state, as its first save held it). The events file follows the checkpoint. A
+    kill before that save completes resumes an earlier checkpoint, whose rerun repeats the
+    collapse and the restore exactly."""
+    for later in self.checkpointer.all_steps():
+      if later > step:
+        moved = self.checkpointer.set_aside(later, to=checkpointing.COLLAPSED_DIR)
+        if self.primary:
+          logging.warning("collapse guard: checkpoint step %d moved to %s", later, moved)
+    if step in self.checkpointer.all_steps():
+      self.checkpointer.delete(step)
+    self._save(step)
+    self.checkpointer.wait()
+    if self.primary:
+      self._write_events()
 
   # -------------------------------------------------------------------------
   # The loop.
@@ -306,8 +400,13 @@ class Trainer:
 
   def _save(self, step: int, *, checkpointer: Any = None,
             extra: dict[str, Any] | None = None) -> None:
+    """Saves the state as step ``step``, with what a resume needs besides it: the data
+    position, the config, the records logged so far (``LOGGED_KEY``) and the guard's events."""
     meta = {"data": self.data_iter.state(), "processes": jax.process_count(),
-            "config": json.loads(self.config.to_json_best_effort()), **(extra or {})}
+            "config": json.loads(self.config.to_json_best_effort()),
+            LOGGED_KEY: dict(self.logged), **(extra or {})}
+    if self.guard.enabled:
+      meta[GUARD_KEY] = {"events": self.guard_events, "lr_scale": self.lr_scale}
     state = self.state
     if self.parts.run.lora:  # The adapters and their moments; the base is rebuilt (lora_base).
       state = state.replace(params=lora_base.saved_params(state.params))
@@ -351,7 +450,7 @@ class Trainer:
     history = []
     eval_key = jax.random.key(config.seed + 1)
     every = config.eval.every_steps
-    if self.start_step == 0 and every:
+    if not self.resumed and every:
       start = self.evaluate(self.state.params, eval_key)
       self._write(0, start)
       if self.guard.enabled:
@@ -373,7 +472,8 @@ class Trainer:
           metrics.update(self.evaluate(self.state.params, eval_key))
         self._write(done, metrics)
         if self.writer is not None and self.samples:
-          with checkpointing.writing(self.workdir / "samples"):
+          self.logged["samples"] += len(self.samples)
+          with checkpointing.writing(self.workdir / "samples.jsonl"):
             self.writer.write_samples(done, self.samples)
         history.append({"step": done, **metrics})
         progress.update(1)
@@ -390,34 +490,36 @@ class Trainer:
               f"{int(self.state.consecutive_skips)} consecutive updates were skipped (a "
               f"non-finite loss, gradient, update or parameters; step {done}); stopping. "
               + self._last_checkpoint(last))
+        # A step that skipped an update is not checkpointed: the last checkpoint stays the
+        # last step whose every update was finite.
+        healthy = int(self.state.consecutive_skips) == 0
+        # The guard judges the step before its checkpoint: a restore saves the restored step,
+        # and a collapsed step is saved only when the guard stops the run there.
+        decision = self._guard(done, metrics, healthy) if guarded else None
+        guard_stop = decision == -1
         preempted = watcher.reached(done)
+        if decision is not None and decision >= 0:  # Restored (and saved): run it again.
+          if preempted:
+            self._stopped_by_signal(decision)
+            break
+          step = decision
+          progress.n = step
+          progress.refresh()
+          continue
         due = done % config.checkpoint.every_steps == 0 or done == config.train.num_steps
         if config.checkpoint.every_seconds:  # Clocks differ: process 0 decides for all.
           due |= multihost.agree(
               time.monotonic() - last_save >= config.checkpoint.every_seconds)
-        # A step that skipped an update is not checkpointed: the last checkpoint stays the
-        # last step whose every update was finite.
-        healthy = int(self.state.consecutive_skips) == 0
-        if healthy and (due or preempted):
+        if healthy and (due or preempted or guard_stop):
           self._save(done)
           last_save = time.monotonic()
+        if guard_stop:  # Stopped (as a signal stops it): its result is its checkpoints.
+          preempted = True
+          break
         if preempted:
-          if self.primary:
-            logging.warning("Stopped by a signal: saved step %d in %s; rerun the same command to "
-                            "continue",
-                            done if healthy else self.checkpointer.latest_step(),
-                            self.checkpointer.directory)
+          self._stopped_by_signal(done if healthy else self.checkpointer.latest_step())
           break
         step = done
-        if guarded:
-          resume = self._guard(done, metrics, healthy)
-          if resume == -1:  # Stopped (as a signal stops it): its result is its checkpoints.
-            preempted = True
-            break
-          if resume is not None:  # Restored: the steps after it run again.
-            step = resume
-            progress.n = step
-            progress.refresh()
     finally:
       progress.close()
     ran = len(history)
@@ -433,6 +535,11 @@ class Trainer:
             f"{config.train.max_consecutive_skips}): nothing was trained. "
             + self._last_checkpoint(last))
     return history
+
+  def _stopped_by_signal(self, saved: int | None) -> None:
+    if self.primary:
+      logging.warning("Stopped by a signal: saved step %s in %s; rerun the same command to "
+                      "continue", saved, self.checkpointer.directory)
 
   def _last_checkpoint(self, last: int | None) -> str:
     return (f"The last good checkpoint is step {last} in {self.checkpointer.directory}."
@@ -465,6 +572,8 @@ class Trainer:
       raise errors[0]
 
   def _write(self, step: int, metrics: dict[str, Any]) -> None:
+    """One metrics record (process 0 writes it; every process counts it)."""
+    self.logged["metrics"] += 1
     if self.writer is not None:
       with checkpointing.writing(self.workdir / "metrics.jsonl"):
         self.writer.write(step, metrics)

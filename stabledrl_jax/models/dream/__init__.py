@@ -50,8 +50,8 @@ def likelihood_fn(model: Dream, attention_mask: Array) -> Callable[..., Array]:
 def sampling(decoding: Any, config: DreamConfig) -> sampler.Sampling:
   """``family.Family.sampling``: the common options in Dream's generate (``remasking`` is the
   official ``alg``), and its own ``rollout.family_options``: top_p, top_k, alg_temp, eps.
-  Raises ValueError (one line) for an option it does not take."""
-  del config
+  Raises ValueError (one line) for an option it does not take, or a value out of the range
+  ``sampler.OPTIONS`` declares (top_k at most ``config``'s vocabulary)."""
   if decoding.remasking not in sampler.ALGS:
     raise ValueError(f"remasking {decoding.remasking!r} is not one of Dream's generate algs "
                      f"{sampler.ALGS}")
@@ -65,7 +65,7 @@ def sampling(decoding: Any, config: DreamConfig) -> sampler.Sampling:
     raise ValueError(f"block_length={decoding.block_length}: Dream's sampler decodes the whole "
                      f"completion at once (no semi-autoregressive blocks); set block_length to "
                      f"gen_length={decoding.gen_length}")
-  options = family.family_options(decoding, "Dream", sampler.OPTIONS)
+  options = family.family_options(decoding, "Dream", sampler.OPTIONS, config)
   return sampler.Sampling(gen_length=decoding.gen_length, steps=decoding.steps,
                           alg=decoding.remasking, temperature=decoding.temperature, **options)
 
@@ -123,6 +123,7 @@ FAMILY = family.register(family.Family(
     # The official code ends a completion at its first EOS (<|endoftext|>).
     stop_ids=lambda config: (config.eos_token_id,), aliases=ALIASES,
     shapes=family.hf_shapes, step_flops=step_flops, holds_kv_cache=lambda cache: False,
-    eval_decoding=eval_decoding))
+    eval_decoding=eval_decoding, options=sampler.OPTIONS,
+    max_positions=lambda config: config.max_position_embeddings))
 
 __all__ = ["DREAM_CONFIG_NAMES", "Dream", "DreamConfig", "FAMILY", "get_dream_config"]

@@ -36,13 +36,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.models import sampler_lib
+from stabledrl_jax.models import family, sampler_lib
 
 Array = jax.Array
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-# The options beyond the common ones (``rollout.family_options``), at the official defaults.
-OPTIONS = {"top_p": None, "top_k": None, "alg_temp": None, "eps": 1e-3}
+# The options beyond the common ones (``rollout.family_options``), at the official defaults,
+# with the values each takes (the family record's ``options``: declared here once). top_k 0
+# would keep no token (the official top_k_logits indexes an empty top-k): unset means off.
+OPTIONS = {
+    "top_p": family.Option(float, None, low=0.0, high=1.0, low_open=True,
+                           note="the nucleus mass kept; 1 or unset: off"),
+    "top_k": family.Option(int, None, low=1, high_of=lambda config: config.vocab_size,
+                           high_name="the model's vocabulary size",
+                           note="the most likely tokens kept; unset: all"),
+    "alg_temp": family.Option(float, None, low=0.0, high=100.0,
+                              note="of the draw of the positions to reveal; 0 or unset: the "
+                              "most confident"),
+    "eps": family.Option(float, 1e-3, low=0.0, high=1.0, low_open=True, high_open=True,
+                         note="the last time of the schedule"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +69,8 @@ class Sampling:
     alg_temp: temperature of the confidence-weighted draw of the positions to reveal (None or 0:
       the most confident).
     temperature: of the token draw (0: argmax).
-    top_p: nucleus mass (None or >= 1: off).
-    top_k: tokens kept (None: off).
+    top_p: nucleus mass in (0, 1] (None or 1: off).
+    top_k: tokens kept, at least 1 (None: off).
     eps: the last time of the schedule.
   """
 
@@ -77,22 +90,10 @@ class Sampling:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"Dream's sampler: {name} must be a positive integer, got {value!r}")
-    if not isinstance(self.eps, (int, float)) or not 0 < self.eps < 1:
-      raise ValueError(f"rollout.family_options.eps: Dream's schedule ends at eps in (0, 1), "
-                       f"got {self.eps!r}")
     if self.temperature < 0:
       raise ValueError(f"Dream's sampler: temperature must be >= 0, got {self.temperature}")
-    if self.alg_temp is not None and not (isinstance(self.alg_temp, (int, float))
-                                          and self.alg_temp >= 0):
-      raise ValueError(f"rollout.family_options.alg_temp: must be >= 0 (or None), got "
-                       f"{self.alg_temp!r}")
-    if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and self.top_p > 0):
-      raise ValueError(f"rollout.family_options.top_p: must be > 0 (or None), got "
-                       f"{self.top_p!r}")
-    if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
-                                   or self.top_k < 1):
-      raise ValueError(f"rollout.family_options.top_k: must be a positive integer (or None), "
-                       f"got {self.top_k!r}")
+    for name, option in OPTIONS.items():  # Their ranges, as declared (no model: no vocabulary).
+      family.check_option(f"rollout.family_options.{name}", option, getattr(self, name))
 
 
 def schedule(steps: int, eps: float) -> Array:

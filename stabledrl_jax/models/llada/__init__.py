@@ -111,6 +111,7 @@ FAMILY = family.register(family.Family(
     # The official code ends a completion at its first EOS (126081) only.
     stop_ids=lambda config: (config.eos_token_id,),
     aliases=QWEN_NAMES, vocab_fields=("vocab_size", "embedding_size"),
-    shapes=shapes, step_flops=flops.rl_step_parts))
+    shapes=shapes, step_flops=flops.rl_step_parts,
+    max_positions=lambda config: config.max_sequence_length))
 
 __all__ = ["CONFIG_NAMES", "FAMILY", "LLaDA", "ModelConfig", "get_config"]

@@ -141,6 +141,7 @@ FAMILY = family.register(family.Family(
     remasking=tuple(REMASKING), check_rollout=check_rollout,
     block_size=lambda config: config.block_size, stop_ids=lambda config: config.stop_token_ids,
     aliases={llada: qwen for qwen, llada in QWEN_NAMES.items()},
-    shapes=family.hf_shapes, step_flops=step_flops, holds_kv_cache=lambda cache: True))
+    shapes=family.hf_shapes, step_flops=step_flops, holds_kv_cache=lambda cache: True,
+    max_positions=lambda config: config.max_position_embeddings))
 
 __all__ = ["FAMILY", "KVCache", "SDAR", "SDARConfig", "SDAR_CONFIG_NAMES", "get_sdar_config"]
