@@ -792,6 +792,70 @@ def test_a_kill_after_a_restore_resumes_the_restored_run_exactly(tmp_path):
     assert [e["action"] for e in events] == ["restore", "restore", "stop"], signum.name
 
 
+def test_a_kill_between_the_staged_restore_and_its_promotion_is_finished_by_the_rerun(
+    tmp_path, monkeypatch):
+  """The restored state is saved whole in checkpoints_restore/ before anything in checkpoints/
+  moves; a kill right after (here: the promotion raises the first time) leaves it there, the
+  next start promotes it (the collapsed steps moved aside), and the run ends as the
+  uninterrupted one, record for record. A guard stop on a step never saved (no checkpoint yet)
+  still refuses the rerun."""
+  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  config = _quick(**_GUARDED)
+  trainer.train(config, str(tmp_path / "whole"))
+  real = trainer.Trainer._promote_restore
+  calls = []
+
+  class Killed(Exception):
+    pass
+
+  def killed_once(self):
+    calls.append(1)
+    if len(calls) == 2:  # The first is the build's (nothing staged); the second the restore's.
+      raise Killed
+    return real(self)
+
+  monkeypatch.setattr(trainer.Trainer, "_promote_restore", killed_once)
+  with pytest.raises(Killed):
+    trainer.train(config, str(tmp_path / "killed"))
+  monkeypatch.undo()
+  killed = tmp_path / "killed"
+  assert sorted(p.name for p in (killed / checkpointing.RESTORE_DIR).iterdir()) == ["0"]
+  resumed = trainer.Trainer(config, str(killed))
+  try:
+    assert resumed.start_step == 0 and resumed.lr_scale == 0.5
+    assert not (killed / checkpointing.RESTORE_DIR).exists()
+    assert (killed / checkpointing.COLLAPSED_DIR / "1").is_dir()
+  finally:
+    resumed.close()
+  trainer.train(config, str(killed))
+  assert _records_without_timing(killed) == _records_without_timing(tmp_path / "whole")
+  # A stop the guard wrote before any checkpoint: the rerun trains nothing.
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  (fresh / collapse.EVENTS_FILE).write_text(json.dumps({"lr_scale": 1.0, "events": [
+      {"step": 1, "why": "a non-finite update was skipped", "action": "stop",
+       "detected_at": 1}]}))
+  assert trainer.Trainer(config, str(fresh)).stopped.startswith(
+      "the collapse guard stopped this run after step 1")
+
+
+def test_a_sweep_reads_back_a_run_recorded_before_a_config_field_was_added():
+  """A sweep's run is known by its config; fields added to the base config since, at their
+  defaults (or unset), do not make it another run (an upgrade would retrain the sweep)."""
+  from stabledrl_jax.training import config_lib, sweep  # pylint: disable=g-import-not-at-top
+  current = config_lib.get("quickstart").to_json_best_effort(sort_keys=True)
+  older = json.loads(current)
+  del older["train"]["collapse_guard"]["go_on"]
+  assert sweep.same_config(json.dumps(older), current)
+  older["train"]["num_steps"] += 1
+  assert not sweep.same_config(json.dumps(older), current)
+  changed = json.loads(current)
+  del changed["train"]["collapse_guard"]["go_on"]
+  assert not sweep.same_config(json.dumps(changed), current.replace('"go_on": false',
+                                                                    '"go_on": true'))
+  assert not sweep.same_config(None, current) and not sweep.same_config("{", current)
+
+
 def test_a_collapse_guard_that_never_fires_leaves_the_run_as_it_was(tmp_path):
   """Its best-eval checkpoints and checks draw no key and touch no state: the same losses,
   rewards and evals as the unguarded run, record for record (the guard's own fields aside)."""

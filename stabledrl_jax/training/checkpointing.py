@@ -47,6 +47,10 @@ DAMAGED_DIR = "checkpoints_damaged"
 # Checkpoints of a trajectory the collapse guard undid (the steps after the one it restored) are
 # moved here, out of the resume's way, for the same reason.
 COLLAPSED_DIR = "checkpoints_collapsed"
+# The state the collapse guard restored is saved here first, complete, then moved into
+# checkpoints/ (``Checkpointer.adopt``): at no moment does a kill leave checkpoints/ without it
+# or the trajectory it replaces.
+RESTORE_DIR = "checkpoints_restore"
 
 
 class SaveRefusedError(RuntimeError):
@@ -276,19 +280,33 @@ class Checkpointer:
     return sorted(shape for shapes in self.stored_fields(step).values() for shape in shapes)
 
   def set_aside(self, step: int, to: str = DAMAGED_DIR) -> epath.Path:
-    """Moves checkpoint ``step`` to ``<workdir>/<to>/<step>`` (``<step>.<n>`` if that exists;
-    process 0, the others wait) and forgets it; returns where it went."""
+    """Moves checkpoint ``step`` to ``<workdir>/<to>/<step>`` (``<step>.<n>`` for the first
+    free n if that exists; process 0, the others wait) and forgets it; returns where it went."""
     target = self.directory.parent / to / str(step)
     if jax.process_index() == 0:
-      workdir_files.make_dir(target.parent)
-      if target.exists():
-        target = target.parent / f"{step}.{len(list(target.parent.iterdir()))}"
-      (self.directory / str(step)).rename(target)
+      with writing(target.parent):
+        workdir_files.make_dir(target.parent)
+        n = 1
+        while target.exists() or (is_local(target) and os.path.islink(target)):
+          target, n = target.parent / f"{step}.{n}", n + 1
+        (self.directory / str(step)).rename(target)
+    self._sync_and_reload(f"set aside checkpoint {step}")
+    return target
+
+  def adopt(self, step: int, source: epath.PathLike) -> None:
+    """Makes ``source``, a complete step directory of another ``Checkpointer`` in the same
+    workdir, this one's checkpoint ``step`` (a rename; process 0, the others wait). ``step``
+    must not exist here."""
+    if jax.process_index() == 0:
+      with writing(self.directory / str(step)):
+        epath.Path(source).rename(self.directory / str(step))
+    self._sync_and_reload(f"adopt checkpoint {step}")
+
+  def _sync_and_reload(self, what: str) -> None:
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+      multihost_utils.sync_global_devices(what)
     self._manager.reload()
-    return target
 
   def delete(self, step: int) -> None:
     """Removes checkpoint ``step`` (orbax's delete: every process calls it)."""
@@ -578,10 +596,10 @@ class WorkdirLock:
       return {}
     # A FIFO (whose open would wait for a writer for good, deaf to Ctrl-C) or a device is
     # refused in one line, never opened (``workdir_files.open_regular``).
-    text = workdir_files.read_text(self.path, "the workdir lock", follow_links=False,
-                                   missing_ok=True)
+    data = workdir_files.read_bytes(self.path, "the workdir lock", follow_links=False,
+                                    missing_ok=True)
     try:
-      owner = json.loads(text or "")
+      owner = json.loads(data or b"")  # Not JSON (or not UTF-8): not a lock of ours.
     except ValueError:
       return {}
     return owner if isinstance(owner, dict) else {}

@@ -102,13 +102,15 @@ def events_on_resume(saved: Sequence[Mapping[str, Any]] | None,
 
   A restore saves its restored step with the event in its meta before the file is written, so
   the checkpoint is the record: the file adds only what no checkpoint carries, a stop after an
-  unsaved (skipped) step, when it continues the checkpoint's events.
+  unsaved (skipped) step, when it is the file's last event and continues the checkpoint's
+  events (``saved`` is [] for a run with no checkpoint yet).
   """
   if saved is None:
     return [dict(e) for e in written]
   saved, written = [dict(e) for e in saved], [dict(e) for e in written]
-  if len(written) > len(saved) and written[:len(saved)] == saved:
-    return saved + [e for e in written[len(saved):] if e.get("action") == "stop"][:1]
+  if (len(written) > len(saved) and written[:len(saved)] == saved
+      and written[-1].get("action") == "stop"):
+    return saved + [written[-1]]
   return saved
 
 
@@ -181,8 +183,8 @@ class GuardSettings:
       value = getattr(rules, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}.{name}: needs an integer >= 1, got {value!r}")
-    return cls(enabled=bool(get("enabled", False)), action=action, lr_factor=factor,
-               max_restores=restores, go_on=bool(get("go_on", False)), rules=rules)
+    return cls(enabled=bool(get("enabled", cls.enabled)), action=action, lr_factor=factor,
+               max_restores=restores, go_on=bool(get("go_on", cls.go_on)), rules=rules)
 
 
 def load_events(path: Any) -> tuple[list[dict[str, Any]], float]:

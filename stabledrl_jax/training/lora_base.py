@@ -72,7 +72,8 @@ def fingerprint_dir(path: str) -> str:
 def recorded_source(where: str, workdir: epath.PathLike) -> str:
   """``where`` as an identity records it: below ``WORKDIR_MARK`` if it lies inside the local
   ``workdir``, else as given."""
-  if "://" in str(where) or "://" in str(workdir) or where == "init":
+  if ("://" in str(where) or "://" in str(workdir) or where == "init"
+      or not os.path.exists(where)):  # A Hub id is never a path below the workdir.
     return where
   base, root = os.path.realpath(where), os.path.realpath(os.fspath(workdir))
   if base == root or not base.startswith(root + os.sep):

@@ -138,6 +138,10 @@ class _Wandb:
     self._run.finish()
 
 
+# How often a remote (gs://) events file is flushed: each flush uploads the whole file.
+REMOTE_FLUSH_S = 60.0
+
+
 class _EventFile:
   """TensorBoard's events file, written synchronously in the caller's thread.
 
@@ -162,15 +166,20 @@ class _EventFile:
       self._writer = event_file_writer.EventsWriter(
           os.path.join(str(directory), "events"), f".{secrets.token_hex(4)}")
     self.path = self._writer._file_name  # pylint: disable=protected-access
+    self._local, self._flushed = workdir_files.is_local(directory), time.monotonic()
     self._write([self._pb2.Event(step=purge_step, session_log=self._pb2.SessionLog(
         status=self._pb2.SessionLog.START))])
 
   def _write(self, events: list[Any]) -> None:
+    """Writes ``events``; flushes them at once locally, and to a remote file (whose flush
+    uploads it whole) at most every ``REMOTE_FLUSH_S`` seconds and at ``close``."""
     with workdir_files.writing(self.path):
       for event in events:
         event.wall_time = event.wall_time or time.time()
         self._writer.write_event(event)
-      self._writer.flush()
+      if self._local or time.monotonic() - self._flushed >= REMOTE_FLUSH_S:
+        self._writer.flush()
+        self._flushed = time.monotonic()
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     self._write([self._pb2.Event(step=step, summary=self._summary.scalar(name, value))

@@ -114,6 +114,34 @@ class RunResult:
   config: str = ""
 
 
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
+  return out
+
+
+def same_config(stored: str | None, identity: str) -> bool:
+  """Whether a run recorded with the config ``stored`` (JSON) is the run of ``identity``: equal,
+  or equal but for fields added to the base config since, at their defaults (None: unset), so
+  that a newer version reads an older sweep's runs back instead of training them again."""
+  if stored is None:
+    return False
+  if stored == identity:
+    return True
+  try:
+    old, new = _leaves(json.loads(stored)), _leaves(json.loads(identity))
+  except ValueError:
+    return False
+  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  defaults = _leaves(json.loads(config_lib.base_config().to_json_best_effort()))
+  added = set(new) - set(old)
+  return (set(old) <= set(new) and all(old[k] == new[k] for k in old)
+          and all(new[k] is None or (k in defaults and new[k] == defaults[k]) for k in added))
+
+
 def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str, *,
                      reuse: bool = False) -> RunResult:
   """Trains ``config`` in a fresh ``workdir`` from the supervised model at ``start``.
@@ -134,10 +162,11 @@ def train_from_start(config: ml_collections.ConfigDict, start: str, workdir: str
       done = finished_run(workdir)
     except FileNotFoundError:
       done = None
-    if done is not None and done.config == identity:
+    if done is not None and same_config(done.config, identity):
       return done
     if done is None:  # Cut short: the trainer resumes it. Never a FIFO opened.
-      resume = workdir_files.read_text(begun, "sweep run marker", missing_ok=True) == identity
+      resume = same_config(
+          workdir_files.read_text(begun, "sweep run marker", missing_ok=True), identity)
   if not resume:
     workdir_files.remove(workdir)
     os.makedirs(workdir)

@@ -149,6 +149,7 @@ class Trainer:
 
     self.checkpointer = checkpointing.Checkpointer(self.workdir,
                                                    max_to_keep=config.checkpoint.max_to_keep)
+    self._promote_restore()  # A guard's restore that a kill interrupted.
     latest = self.checkpointer.latest_step()
     model = build.build_model(config, self.tokenizer, self.mesh)
     if config.sft.num_steps and not config.model.checkpoint:
@@ -273,10 +274,11 @@ class Trainer:
       return
     events = self.workdir / collapse.EVENTS_FILE
     written = collapse.load_events(events)[0] if events.exists() else []
-    if meta is not None:
-      saved = meta.get(GUARD_KEY)
-      self.guard_events = collapse.events_on_resume(
-          saved["events"] if saved is not None else None, written)
+    # A fresh start has no saved events, but a stop the guard made before the first
+    # checkpoint (on a skipped step, never saved) still counts.
+    saved = (meta or {}).get(GUARD_KEY, {"events": []} if meta is None else None)
+    self.guard_events = collapse.events_on_resume(
+        saved["events"] if saved is not None else None, written)
     self.lr_scale = collapse.lr_scale_of(self.guard_events)
     stop = collapse.stopped_by(self.guard_events)
     if stop is not None:
@@ -377,22 +379,46 @@ class Trainer:
 
   def _keep_restore(self, step: int) -> None:
     """Makes the restored ``step`` the run's latest checkpoint, so that a kill from here resumes
-    it: the checkpoints after it (the collapsed trajectory) are moved to
-    ``<workdir>/checkpoints_collapsed/``, and ``step`` is saved again with the event in its meta
-    (the restored state, as its first save held it). The events file follows the checkpoint. A
-    kill before that save completes resumes an earlier checkpoint, whose rerun repeats the
-    collapse and the restore exactly."""
-    for later in self.checkpointer.all_steps():
-      if later > step:
-        moved = self.checkpointer.set_aside(later, to=checkpointing.COLLAPSED_DIR)
-        if self.primary:
-          logging.warning("collapse guard: checkpoint step %d moved to %s", later, moved)
-    if step in self.checkpointer.all_steps():
-      self.checkpointer.delete(step)
-    self._save(step)
-    self.checkpointer.wait()
+    it: the restored state is saved with the event in its meta into
+    ``<workdir>/checkpoints_restore/`` (complete, synchronously), then ``_promote_restore``
+    moves the checkpoints after it (the collapsed trajectory) to
+    ``<workdir>/checkpoints_collapsed/`` and moves it into ``checkpoints/``. The events file
+    follows the checkpoint. A kill before the staged save completes resumes the latest
+    checkpoint as it was, whose rerun repeats the collapse and the restore exactly; a kill after
+    it is finished by the next start's ``_promote_restore``."""
+    staging = checkpointing.Checkpointer(self.workdir, max_to_keep=1, async_save=False,
+                                         subdir=checkpointing.RESTORE_DIR)
+    try:
+      self._save(step, checkpointer=staging)
+      staging.wait()
+    finally:
+      staging.close()
+    self._promote_restore()
     if self.primary:
       self._write_events()
+
+  def _promote_restore(self) -> None:
+    """A restored state staged in ``checkpoints_restore/`` becomes the latest checkpoint: the
+    checkpoints from its step on are moved to ``checkpoints_collapsed/`` (its own step's
+    earlier save, the same state, is removed) and it is moved into ``checkpoints/``. Nothing
+    to do without one (a save that did not complete there is not a step)."""
+    staged = self.workdir / checkpointing.RESTORE_DIR
+    if not staged.is_dir():
+      return
+    steps = [int(p.name) for p in staged.iterdir() if p.name.isdigit()]
+    if steps:
+      step = max(steps)
+      for later in self.checkpointer.all_steps():
+        if later > step:
+          moved = self.checkpointer.set_aside(later, to=checkpointing.COLLAPSED_DIR)
+          if self.primary:
+            logging.warning("collapse guard: checkpoint step %d moved to %s", later, moved)
+      if step in self.checkpointer.all_steps():
+        self.checkpointer.delete(step)
+      self.checkpointer.adopt(step, staged / str(step))
+    if self.primary:
+      workdir_files.remove(staged)
+    multihost.sync("stabledrl_jax: restored checkpoint promoted")
 
   # -------------------------------------------------------------------------
   # The loop.

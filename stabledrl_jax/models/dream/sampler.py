@@ -81,7 +81,7 @@ class Sampling:
   temperature: float = 0.0
   top_p: float | None = None
   top_k: int | None = None
-  eps: float = 1e-3
+  eps: float = OPTIONS["eps"].default
 
   def __post_init__(self):
     if self.alg not in ALGS:
