@@ -11,6 +11,7 @@ config, and the check that names a bad field before anything compiles, are in
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import os
 import pathlib
@@ -258,6 +259,13 @@ def family_option_fields() -> dict[str, Any]:
   plugin) lists its options in its config file (tests/test_validation.py holds these fields to
   the registered families').
   """
+  return {name: config_dict.placeholder(kind) for name, kind in _family_option_kinds()}
+
+
+@functools.lru_cache(maxsize=None)
+def _family_option_kinds() -> tuple[tuple[str, type], ...]:
+  """(option, type) of every option ``family_option_fields`` lists, parsed once a process
+  (base_config, which every config load calls, builds both family_options sections from it)."""
   fields = {}
   for init in sorted(_package_dir("models").glob("*/__init__.py")):
     tree = pyast.parse(init.read_text(), str(init))
@@ -269,8 +277,8 @@ def family_option_fields() -> dict[str, Any]:
       for key, value in zip(options.keys, options.values) if options is not None else ():
         kind = value.args[0] if isinstance(value, ast.Call) and value.args else None
         if isinstance(key, ast.Constant) and isinstance(kind, ast.Name):
-          fields.setdefault(key.value, config_dict.placeholder(_PLACEHOLDER_TYPES[kind.id]))
-  return fields
+          fields.setdefault(key.value, _PLACEHOLDER_TYPES[kind.id])
+  return tuple(fields.items())
 
 
 def _module_dict(node: ast.AST, tree: ast.Module, package: pathlib.Path) -> ast.Dict | None:
