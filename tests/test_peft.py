@@ -258,8 +258,9 @@ def test_an_adapter_peft_writes_loads_into_our_model_with_its_logits(tmp_path, f
 # ---------------------------------------------------------------------------
 
 
-def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tmp_path,
-                                                                            sft_start):
+def _trained_lora_workdir(tmp_path, sft_start):
+  """One RL step of a rank-4 LoRA run on the shared supervised start, in ``tmp_path/run``:
+  (workdir, config, the closed Trainer, tokens, the trained model's logits of them)."""
   workdir = workdir_with_start(tmp_path / "run", sft_start)
   config = tiny_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0,
                           "model.lora.base_dtype": "float32", "train.num_steps": 1})
@@ -269,6 +270,12 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
   from flax import nnx  # pylint: disable=g-import-not-at-top
   trained = np.asarray(nnx.merge(run.parts.graphdef, jax.device_get(run.state.params))(tokens))
   run.close()
+  return workdir, config, run, tokens, trained
+
+
+def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tmp_path,
+                                                                            sft_start):
+  workdir, config, run, tokens, trained = _trained_lora_workdir(tmp_path, sft_start)
   out = tmp_path / "adapter"
   export.export(str(workdir), str(out))
   assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors",
@@ -318,15 +325,7 @@ def test_a_moved_lora_workdir_resumes_exports_and_evaluates(tmp_path, sft_start)
   start) and evaluates with the same logits; an edited start is still refused. A checkpoint of
   an older version, which recorded the start's absolute path, is read after a move too."""
   from stabledrl_jax.training import checkpointing, lora_base  # pylint: disable=g-import-not-at-top
-  workdir = workdir_with_start(tmp_path / "run", sft_start)
-  config = tiny_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0,
-                          "model.lora.base_dtype": "float32", "train.num_steps": 1})
-  run = trainer.Trainer(config, str(workdir))
-  run.run()
-  tokens = jnp.arange(24).reshape(2, 12) % run.parts.model_config.vocab_size
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  trained = np.asarray(nnx.merge(run.parts.graphdef, jax.device_get(run.state.params))(tokens))
-  run.close()
+  workdir, config, run, tokens, trained = _trained_lora_workdir(tmp_path, sft_start)
   reader = checkpointing.Checkpointer(str(workdir), read_only=True)
   assert reader.restore_meta(1)[lora_base.META_KEY]["source"] == "<workdir>/sft_model"
   reader.close()
