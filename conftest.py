@@ -22,6 +22,8 @@ Subprocesses and notebook kernels inherit these settings through the environment
 import os
 import pathlib
 
+import hypothesis
+
 _CACHE = pathlib.Path(__file__).resolve().parent / ".pytest_cache" / "jax-compilation-cache"
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
@@ -35,6 +37,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if "xla_backend_optimization_level" not in (_USER_XLA_FLAGS or ""):
   os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_FAST_COMPILE}".strip()
 _TEST_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+
+# Hypothesis: tests/examples.py scales each test's example count by the profile ('ci' by
+# default, a quarter; 'full': --hypothesis-profile=full or HYPOTHESIS_PROFILE=full).
+hypothesis.settings.register_profile("full", max_examples=100, deadline=None)
+hypothesis.settings.register_profile("ci", max_examples=25, deadline=None)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 if os.environ["JAX_COMPILATION_CACHE_DIR"]:
   pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -69,3 +77,11 @@ def pytest_runtest_teardown(item):
     os.environ["XLA_FLAGS"] = _TEST_XLA_FLAGS
     if _USER_NOTEBOOK_TOY is None:
       os.environ.pop(_NOTEBOOK_TOY, None)
+
+
+def pytest_collection_modifyitems(items):
+  """The end-to-end tests first (``slow``), the README's quickstart guard (a third of the
+  suite's time on its own) before them all: xdist hands the first quarter of the items out
+  round robin, so the longest run beside the rest rather than after them."""
+  first = "test_quickstart_gains_ten_points_for_seed_0"
+  items.sort(key=lambda item: (item.name != first, item.get_closest_marker("slow") is None))

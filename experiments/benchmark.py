@@ -186,7 +186,7 @@ def train_step_case(name: str, model: nnx.Module, w: Workload, lora_rank: int = 
   c = rl_config(w)
   if lora_rank:  # A fresh copy with adapters, the base frozen in bfloat16 (build.with_lora).
     c.model.lora.update(rank=lora_rank, alpha=2.0 * lora_rank, targets=LORA_TARGETS)
-    model = build.with_lora(c, models.LLaDA(model.config, rngs=nnx.Rngs(0)))
+    model = build.with_lora(c, models.init_model(model.config, seed=0))
   mesh = mesh_lib.make_mesh(c.mesh, jax.devices()[:1])
   graphdef, params = nnx.split(model, nnx.Param)
   # The trainer's build path: the config resolved once, the parts built of the record.

@@ -775,11 +775,11 @@ class LikelihoodSpec:
     token_level: per-token log-probs [N, L] instead of per-sequence estimates.
     eubo_beta: compute SPG's EUBO_beta from the same forward pass (None: no EUBO).
     mask_id: the mask token id.
+    family: the model family (``config.model.family``), whose record's ``Likelihood`` says how
+      its likelihoods are estimated (``training/rl_loss.py``).
     options: sorted (name, value) pairs for the estimator's mask sampler.
     stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
       (numerator) and "hard" (denominator) masks; None: no stress test.
-    family: the model family (``config.model.family``), whose record's ``Likelihood`` says how
-      its likelihoods are estimated (``training/rl_loss.py``).
     block_size: the block size of a block diffusion model; None: full attention.
     scored_suffix: full attention: every completion lies in the last ``scored_suffix``
       positions (prompts left-padded to one length), so the model computes logits there
@@ -792,9 +792,9 @@ class LikelihoodSpec:
   token_level: bool
   eubo_beta: float | None
   mask_id: int
+  family: str
   options: tuple[tuple[str, Any], ...] = ()
   stress_rates: tuple[float, float] | None = None
-  family: str = "llada"
   block_size: int | None = None
   scored_suffix: int | None = None
 

@@ -48,7 +48,6 @@ from absl import app, flags, logging
 from stabledrl_jax import hub, models, path_args, scoring, tasks, workdir_files
 from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models.llada import sampler as llada_sampler
 from stabledrl_jax.training import mesh as mesh_lib, multihost
 
 D1_ASSISTANT_PREFIX = "<reasoning>"
@@ -578,8 +577,9 @@ def define_flags() -> None:
   flags.DEFINE_float("threshold", defaults.threshold, "tau of --remasking=threshold: reveal "
                      "every position more confident than tau, at least one per model call.")
   flags.DEFINE_float("cfg_scale", defaults.cfg_scale, "Classifier-free guidance (0: off).")
-  flags.DEFINE_enum("cache", defaults.cache, list(llada_sampler.CACHES),
-                    "LLaDA's block-wise KV cache (Fast-dLLM): none (exact), prefix or dual.")
+  flags.DEFINE_enum("cache", defaults.cache, list(family_lib.caches()),
+                    "The sampler's KV cache, any the model's family takes (none: exact; LLaDA: "
+                    "Fast-dLLM's block-wise prefix or dual).")
   flags.DEFINE_integer("batch_size", defaults.batch_size, "Rows per sampler call, all devices.")
   flags.DEFINE_integer("shard_size", defaults.shard_size,
                        "Examples per generation file; keep it when resuming.")

@@ -8,7 +8,7 @@ compiler on this machine: the Pallas kernels (splash attention) are lowered for 
 ``profiling.compiled_memory`` of the result gives the bytes per chip. Nothing is allocated or run.
 
     devices = tpu_compile.topology_devices("v5e:2x2")
-    result = tpu_compile.compile_train_step(config, devices)   # build.abstract_update
+    result = tpu_compile.compile_train_step(config, devices)   # rl_step.abstract_programs
     result = tpu_compile.compile_decode(config, devices, tpu_compile.rollout_decoding(config))
     result.memory["total"], result.seconds, result.fits
 
@@ -32,7 +32,7 @@ from flax import nnx
 from stabledrl_jax import libtpu_env, models, profiling
 from stabledrl_jax.training import decoding as decoding_lib
 from stabledrl_jax.training import mesh as mesh_lib
-from stabledrl_jax.training import build, specs
+from stabledrl_jax.training import build, rl_step, specs
 
 # HBM per chip (bytes), by `device_kind` (Cloud TPU's published sizes).
 CHIP_HBM_BYTES = {
@@ -77,6 +77,9 @@ class Result:
     memory: ``profiling.compiled_memory`` (bytes per chip: argument, output, alias, temp, total).
     hbm_bytes: one chip's memory (CHIP_HBM_BYTES), or None for an unknown kind.
     compiled: the ``jax.stages.Compiled`` (``.as_text()``: the optimized HLO).
+    programs: for a train step, each program's ``memory['total']`` by name (the update and
+      the scoring passes: ``rl_step.abstract_programs``); ``memory`` is the largest one's, as
+      they run one after the other.
   """
 
   what: str
@@ -84,6 +87,7 @@ class Result:
   memory: dict[str, int]
   hbm_bytes: int | None
   compiled: Any
+  programs: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def fits(self) -> bool | None:
@@ -93,7 +97,7 @@ class Result:
     """A JSON-able summary."""
     return dict(what=self.what, compile_seconds=round(self.seconds, 2),
                 per_chip_bytes=self.memory["total"], hbm_bytes=self.hbm_bytes, fits=self.fits,
-                xla=self.memory)
+                xla=self.memory, **({"programs": self.programs} if self.programs else {}))
 
 
 @contextlib.contextmanager
@@ -122,12 +126,19 @@ def _result(what: str, start: float, compiled: Any, devices) -> Result:
 
 def compile_train_step(config: ml_collections.ConfigDict, devices, *,
                        what: str = "train_step") -> Result:
-  """The trainer's update of ``config`` (``build.abstract_update``) compiled on ``devices``."""
+  """Every program of ``config``'s train step but the sampler (``rl_step.abstract_programs``:
+  the update, and the l_old / l_ref scoring passes) compiled on ``devices``. The result's
+  ``compiled`` is the update's; its ``memory`` the largest program's."""
   start = time.perf_counter()
-  update, state, batch, key = build.abstract_update(config, devices)
+  compiled, memories = {}, {}
   with no_persistent_cache():
-    compiled = update.lower(state, batch, key).compile()
-  return _result(what, start, compiled, devices)
+    for name, (fn, args, keywords) in rl_step.abstract_programs(config, devices).items():
+      compiled[name] = fn.lower(*args, **keywords).compile()
+      memories[name] = profiling.compiled_memory(compiled[name])
+  result = _result(what, start, compiled["update"], devices)
+  largest = max(memories, key=lambda name: memories[name]["total"])
+  return dataclasses.replace(result, memory=memories[largest],
+                             programs={name: m["total"] for name, m in memories.items()})
 
 
 def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding_lib.Decoding:

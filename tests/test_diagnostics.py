@@ -18,6 +18,7 @@ from stabledrl_jax.objectives import stabledrl as sdrl
 from stabledrl_jax.training import checkpointing, config_lib, spikes, step_metrics, sweep, trainer
 
 from test_training import REPO, tiny_config, workdir_with_start
+from examples import examples
 
 BAND = (0.02, 0.10)
 
@@ -65,7 +66,7 @@ def test_a_fixed_stream_gives_a_fixed_bound():
 @hypothesis.given(st.lists(st.one_of(st.floats(0, 1), st.just(math.nan), st.just(math.inf)),
                            min_size=1, max_size=60),
                   st.floats(0.01, 1.0))
-@hypothesis.settings(deadline=None, max_examples=50)
+@hypothesis.settings(deadline=None, max_examples=examples(50))
 def test_the_bound_stays_finite_and_moves_by_at_most_one_step(fractions, step):
   log_hi = math.log(5.0)
   for fraction in fractions:
@@ -230,7 +231,7 @@ def test_steps_without_gradient_stay_out_of_the_window():
 @hypothesis.given(st.lists(st.lists(st.one_of(st.just(0.0), st.floats(0, 1e6), st.just(math.inf)),
                                     min_size=1, max_size=3), max_size=30),
                   st.floats(0, 100), st.integers(1, 6), st.integers(1, 6))
-@hypothesis.settings(deadline=None, max_examples=100)
+@hypothesis.settings(deadline=None, max_examples=examples(100))
 def test_the_detector_median_is_positive_or_unknown(steps, factor, window, min_history):
   detector = spikes.SpikeDetector(factor, window, min_history)
   for norms in steps:

@@ -12,6 +12,7 @@ import pytest
 from absl.testing import parameterized
 
 from stabledrl_jax import estimators
+from examples import examples
 
 B, L, V = 3, 14, 7
 MASK_ID = V - 1
@@ -101,7 +102,7 @@ def test_stratified_times_cover_each_stratum():
   assert np.all((t > k / 8) & (t <= (k + 1) / 8))
 
 
-@hypothesis.settings(deadline=None, max_examples=15)
+@hypothesis.settings(deadline=None, max_examples=examples(15))
 @hypothesis.given(seed=st.integers(0, 2**31 - 1), length=st.integers(1, 9),
                   method=st.sampled_from(["elbo-bernoulli", "elbo-count", "elbo-coupled",
                                           "block_random", "block_random_unbiased",

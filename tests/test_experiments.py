@@ -611,3 +611,25 @@ def test_the_lora_hardware_table_says_which_rows_run(tmp_path):
   assert lines[2].startswith(f"| `{lora_config}` (") and lines[2].endswith(
       "| v5litepod-8 | 9.5 | 20.0 (fits with rollout.microbatch_groups=8) | 16.0 | yes |")
   assert lines[3].endswith("| v5litepod-8 | 40.0 | 6.0 | 16.0 | **no** |")
+
+
+def test_cache_accuracy_evaluates_a_workdir_as_the_trainer_did(tmp_path, sft_start):
+  """experiments/cache_accuracy.py evaluates the workdir's latest checkpoint by the trainer's
+  own evaluation (``decoding.evaluate``) without a trainer: its exact row is the trainer's
+  eval at that step, and its cached rows are the family's caches."""
+  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from test_training import tiny_config, workdir_with_start  # pylint: disable=g-import-not-at-top
+  config = tiny_config(**{"train.num_steps": 1, "eval.every_steps": 1})
+  workdir = workdir_with_start(tmp_path / "run", sft_start)
+  last = trainer.train(config, str(workdir))[-1]
+  study = _load_experiment("cache_accuracy")
+  block = config.rollout.block_length
+  source, num_prompts, rows = study.accuracy_rows(str(workdir), [block], 0.9)
+  assert source.step == 1 and num_prompts == config.data.eval_size
+  exact = rows[0]
+  assert (exact["cache"], exact["remasking"], exact["block_length"]) == (
+      "none", "low_confidence", block)
+  assert exact["accuracy"] == pytest.approx(last["eval/accuracy"])
+  assert exact["reward_mean"] == pytest.approx(last["eval/reward_mean"])
+  assert exact["model_calls"] == pytest.approx(last["eval/model_calls"])
+  assert [r["cache"] for r in rows[:3]] == ["none", "prefix", "dual"]

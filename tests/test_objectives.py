@@ -14,6 +14,7 @@ from absl.testing import parameterized
 
 from stabledrl_jax import objectives
 from stabledrl_jax.objectives import stabledrl as sdrl
+from examples import examples
 
 # ---------------------------------------------------------------------------
 # Independent float64 references (written from the formulas of docs/algorithms.md, not the code).
@@ -125,7 +126,7 @@ def test_snis_weights_match_numpy(lo, hi):
   np.testing.assert_allclose(got, np_snis(log_ratio, g, lo, hi), rtol=1e-5, atol=1e-7)
 
 
-@hypothesis.settings(deadline=None, max_examples=60)
+@hypothesis.settings(deadline=None, max_examples=examples(60))
 @hypothesis.given(
     groups=st.integers(1, 4), g=st.integers(1, 6),
     data=st.data(), symmetric=st.booleans())
@@ -211,7 +212,7 @@ def test_stabledrl_gradient_is_snis_weighted_policy_gradient():
   np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8)
 
 
-@hypothesis.settings(deadline=None, max_examples=40)
+@hypothesis.settings(deadline=None, max_examples=examples(40))
 @hypothesis.given(seed=st.integers(0, 2**31 - 1), groups=st.integers(1, 3),
                   g=st.integers(2, 6), log_scale=st.sampled_from([1.0, 30.0, 1e4]),
                   symmetric=st.booleans())
@@ -268,7 +269,7 @@ def test_the_weighted_advantage_sums_match_numpy_and_vanish_for_uniform_weights(
       metrics["weights/adv_sum_abs_max"]) == 0.0
 
 
-@hypothesis.settings(deadline=None, max_examples=40)
+@hypothesis.settings(deadline=None, max_examples=examples(40))
 @hypothesis.given(seed=st.integers(0, 2**31 - 1), groups=st.integers(1, 3),
                   g=st.integers(2, 6), log_scale=st.sampled_from([1.0, 30.0, 1e4]),
                   symmetric=st.booleans())
@@ -557,7 +558,7 @@ def _run(objective, hparams):
   from stabledrl_jax import estimators
   from stabledrl_jax.training import run_spec
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
-                                   token_level=False, eubo_beta=None, mask_id=0)
+                                   token_level=False, eubo_beta=None, family="llada", mask_id=0)
   return run_spec.RunSpec(objective=objective, hparams=hparams, likelihood=spec, group_size=2,
                           gen_length=4)
 

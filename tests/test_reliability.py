@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from stabledrl_jax import models, objectives, scoring
 from stabledrl_jax.training import checkpointing, metrics_writer, specs, trainer
-from stabledrl_jax.training import build, supervised
+from stabledrl_jax.training import build, run_build, supervised
 
 from test_training import _toy_update, tiny_config
 
@@ -701,11 +701,11 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
   resumed = trainer.Trainer(sweep_overrides(more, {"train.collapse_guard.go_on": True}),
                             str(tmp_path))
   try:
-    assert resumed.start_step == 2 and resumed.lr_scale == 0.5
-    assert [e["action"] for e in resumed.guard_events] == ["restore", "stop", "go_on"]
+    assert resumed.start_step == 2 and resumed.guard.lr_scale == 0.5
+    assert [e["action"] for e in resumed.guard.events] == ["restore", "stop", "go_on"]
     assert float(resumed.parts.schedule(0)) == pytest.approx(
         0.5 * float(more.optimizer.learning_rate))
-    assert resumed.trajectory.records() == []  # The rules judge the run from step 2 on.
+    assert resumed.guard.trajectory.records() == []  # The rules judge the run from step 2 on.
   finally:
     resumed.close()
   assert [e["action"] for e in json.loads((tmp_path / collapse.EVENTS_FILE).read_text())[
@@ -781,7 +781,7 @@ def test_a_kill_after_a_restore_resumes_the_restored_run_exactly(tmp_path):
     # The latest checkpoint is the restored state, the restore and its scale in its meta.
     resumed = trainer.Trainer(config, str(workdir))
     try:
-      assert resumed.lr_scale in (0.5, 0.25) and resumed.guard_events[0]["action"] == "restore"
+      assert resumed.guard.lr_scale in (0.5, 0.25) and resumed.guard.events[0]["action"] == "restore"
       assert resumed.start_step <= 1
     finally:
       resumed.close()
@@ -802,19 +802,19 @@ def test_a_kill_between_the_staged_restore_and_its_promotion_is_finished_by_the_
   from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
   config = _quick(**_GUARDED)
   trainer.train(config, str(tmp_path / "whole"))
-  real = trainer.Trainer._promote_restore
+  real = run_build.promote_restore
   calls = []
 
   class Killed(Exception):
     pass
 
-  def killed_once(self):
+  def killed_once(workdir, checkpointer):
     calls.append(1)
     if len(calls) == 2:  # The first is the build's (nothing staged); the second the restore's.
       raise Killed
-    return real(self)
+    return real(workdir, checkpointer)
 
-  monkeypatch.setattr(trainer.Trainer, "_promote_restore", killed_once)
+  monkeypatch.setattr(run_build, "promote_restore", killed_once)
   with pytest.raises(Killed):
     trainer.train(config, str(tmp_path / "killed"))
   monkeypatch.undo()
@@ -822,7 +822,7 @@ def test_a_kill_between_the_staged_restore_and_its_promotion_is_finished_by_the_
   assert sorted(p.name for p in (killed / checkpointing.RESTORE_DIR).iterdir()) == ["0"]
   resumed = trainer.Trainer(config, str(killed))
   try:
-    assert resumed.start_step == 0 and resumed.lr_scale == 0.5
+    assert resumed.start_step == 0 and resumed.guard.lr_scale == 0.5
     assert not (killed / checkpointing.RESTORE_DIR).exists()
     assert (killed / checkpointing.COLLAPSED_DIR / "1").is_dir()
   finally:

@@ -26,6 +26,7 @@ from stabledrl_jax.rewards import extraction
 from stabledrl_jax.rewards import format_rewards
 from stabledrl_jax.rewards import math_equivalence
 from stabledrl_jax.rewards import task_rewards
+from examples import examples
 
 SUDOKU_PUZZLE = "1034000000000000"
 SUDOKU_SOLUTION = "1234341221434321"
@@ -103,7 +104,7 @@ def _python_value(expression: str):
     return None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(_VALID_EXPRESSIONS)
 def test_evaluator_agrees_with_python_on_its_grammar(expression):
   expected = _python_value(expression)
@@ -118,7 +119,7 @@ def test_evaluator_agrees_with_python_on_its_grammar(expression):
   assert bounded is None or bounded.value == expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text(alphabet="0123456789+-*/() .", max_size=60))
 def test_evaluator_never_raises_on_its_alphabet(expression):
   evaluation = arithmetic.evaluate_arithmetic(expression)
@@ -448,7 +449,7 @@ def test_full_text_math_verify_is_bounded_on_hostile_completions():
 
 
 @pytest.mark.parametrize("name", sorted(REWARDS) + sorted(FULL_TEXT_REWARDS))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(core=st.text(max_size=300), wrapper=st.sampled_from(["{}", "<answer>{}</answer>",
                                                              "\\boxed{{{}}}", "{}</answer>"]))
 def test_rewards_never_raise_on_fuzzed_text(name, core, wrapper):
@@ -463,7 +464,7 @@ _TOKENS = st.sampled_from([
 ])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(_TOKENS, max_size=30).map("".join))
 def test_rewards_and_protocol_never_raise_on_structured_noise(completion):
   for reward in REWARDS.values():
@@ -476,7 +477,7 @@ def test_rewards_and_protocol_never_raise_on_structured_noise(completion):
   assert 0 <= correct <= blanks == 13
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(1, 100), min_size=3, max_size=3), st.integers(1, 100))
 def test_countdown_reward_only_pays_for_true_solutions(numbers, target):
   a, b, c = numbers
@@ -555,7 +556,7 @@ def test_anti_short_boxed_reward_follows_the_official_rule(text, expected):
   assert _anti_short_boxed_by_the_rules(text) == expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=st.text(alphabet=st.sampled_from(list("ab 1$.{}\\boxed\n")), max_size=240))
 def test_anti_short_boxed_reward_matches_the_rule_on_any_text(text):
   assert format_rewards.anti_short_boxed_reward(text) == _anti_short_boxed_by_the_rules(text)
@@ -603,7 +604,7 @@ def test_official_countdown_reward_follows_the_official_rules():
   assert reward("<answer>" + "-" * 1200 + "(25 - 4) * 3</answer>") == 1.0  # as deep as eval
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(inner=st.text(alphabet=st.sampled_from(list("0123456789 +-*/().\n<>answer")),
                      max_size=40),
        prefix=st.sampled_from(["", "<answer>", "x<answer>1</answer>"]),
@@ -699,7 +700,7 @@ def _math_verify_helper():
   return symbolic_worker
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(prediction=_HOSTILE_LATEX, reference=_REFERENCES, same=st.booleans())
 def test_hostile_latex_is_bounded_in_cpu_time_off_the_main_thread(
     _math_verify_helper, prediction, reference, same):
@@ -720,7 +721,7 @@ def test_hostile_latex_is_bounded_in_cpu_time_off_the_main_thread(
   assert pool.stats["max_cpu_s"] < _ANSWER_CPU_BOUND_S, (prediction, pool.stats)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(prediction=_HOSTILE_LATEX, reference=_REFERENCES)
 def test_hostile_latex_is_bounded_in_cpu_time_on_the_main_thread(prediction, reference):
   pytest.importorskip("math_verify")

@@ -238,7 +238,7 @@ def _toy_update(advantages, tx=None):
       attention_mask=jnp.ones((n, length), bool), advantages=advantages,
       old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
-                                   token_level=False, eubo_beta=None, mask_id=15)
+                                   token_level=False, eubo_beta=None, family="llada", mask_id=15)
   new_state, metrics = train_step.update_step(
       state, batch, jax.random.key(2), graphdef=graphdef, tx=tx,
       run=_toy_run(spec, num_microbatches=2))
@@ -270,7 +270,7 @@ def test_coupled_ratio_is_exactly_one_before_any_update():
       completion_mask=~prompt, attention_mask=jnp.ones((n, length), bool),
       advantages=jnp.array([1.0, -1.0] * 4), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
-                                   token_level=False, eubo_beta=None, mask_id=15)
+                                   token_level=False, eubo_beta=None, family="llada", mask_id=15)
   key = jax.random.key(3)
   run = _toy_run(spec, num_microbatches=2)
   old = train_step.estimate_no_grad(params, batch, key, graphdef=graphdef, run=run)
@@ -304,7 +304,8 @@ def test_gradient_bound_matches_per_sample_gradients(surrogate):
   """||grad s_j|| from the vmapped rows == a loop over full-batch gradients."""
   graphdef, params, batch = _toy_model_and_batch()
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
-                                   token_level=False, mask_id=15, stress_rates=(0.2, 1.0),
+                                   token_level=False, family="llada", mask_id=15,
+                                   stress_rates=(0.2, 1.0),
                                    eubo_beta=1.5 if surrogate == "sandwich" else None)
   logits_fn_of = lambda p, m: rl_loss.model_logits_fn(nnx.merge(graphdef, p), m)
   key = jax.random.key(5)
@@ -329,7 +330,7 @@ def test_stabledrl_gradient_stays_inside_its_convex_hull_bound(num_microbatches)
   """docs/stress_test.md: ||grad|| <= max_j |A_j| ||grad s_j||, even with log rho of +-1e4."""
   graphdef, params, batch = _toy_model_and_batch()
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
-                                   token_level=False, eubo_beta=None, mask_id=15,
+                                   token_level=False, eubo_beta=None, family="llada", mask_id=15,
                                    stress_rates=(0.2, 1.0))
   tx = optax.sgd(1e-3)
   _, metrics = train_step.update_step(
@@ -346,7 +347,7 @@ def test_zero_advantages_give_a_zero_bound_ratio_not_nan():
   graphdef, params, batch = _toy_model_and_batch()
   batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=1, normalize="mean",
-                                   token_level=False, eubo_beta=None, mask_id=15)
+                                   token_level=False, eubo_beta=None, family="llada", mask_id=15)
   tx = optax.sgd(1e-3)
   _, metrics = train_step.update_step(
       train_step.create_train_state(params, tx, seed=0), batch, jax.random.key(2),
@@ -370,7 +371,7 @@ def test_estimates_of_left_padded_rows_match_one_sequence_at_a_time():
       tokens=tokens, prompt_mask=prompt, completion_mask=completion, attention_mask=attention,
       advantages=jnp.zeros(n), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n))
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=k, normalize="sum", token_level=False,
-                                   eubo_beta=None, mask_id=config.mask_token_id)
+                                   eubo_beta=None, family="llada", mask_id=config.mask_token_id)
   masks = rl_loss.estimator_masks(batch, jax.random.key(2), spec)
   together, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, attention), batch, None, spec,
                                  masks=masks)
@@ -402,7 +403,7 @@ def test_completion_only_logits_give_the_same_estimates(method, token_level, eub
   options = (("block_length", 4),) if method == "block_random" else ()
   full = estimators.LikelihoodSpec(method=method, num_samples=2, normalize="sum",
                                    token_level=token_level, eubo_beta=eubo,
-                                   mask_id=config.mask_token_id, options=options)
+                                   family="llada", mask_id=config.mask_token_id, options=options)
   suffix = dataclasses.replace(full, scored_suffix=gen)
 
   def run(spec):
@@ -621,7 +622,7 @@ def test_stress_selection_is_shared_by_numerator_and_denominator():
       completion_mask=~prompt, attention_mask=jnp.ones((n, length), bool),
       advantages=jnp.zeros(n), old_logp=jnp.zeros(n), ref_logp=jnp.zeros(n), stressed=stressed)
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="sum",
-                                   token_level=False, eubo_beta=None, mask_id=15,
+                                   token_level=False, eubo_beta=None, family="llada", mask_id=15,
                                    stress_rates=(0.125, 1.0))
   logits_fn = rl_loss.model_logits_fn(model, batch.attention_mask)
   key = jax.random.key(3)

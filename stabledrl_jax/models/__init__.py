@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax.models import family
-from stabledrl_jax.models.hf_io import (CheckpointError, from_pretrained, load_config,
-                                        save_pretrained)
+from stabledrl_jax import hub, input_files
+from stabledrl_jax.models import family, hf_io, peft_io
+from stabledrl_jax.models.hf_io import CheckpointError, load_config, save_pretrained
 # Each family's package registers it.
 from stabledrl_jax.models.llada import CONFIG_NAMES, LLaDA, ModelConfig, get_config
 from stabledrl_jax.models.sdar import (SDAR, SDAR_CONFIG_NAMES, KVCache, SDARConfig,
@@ -59,6 +59,17 @@ def count_params(config) -> int:
 def param_bytes(config, dtype=jnp.bfloat16) -> int:
   """Bytes taken by the parameters of the model of `config` stored in `dtype`."""
   return count_params(config) * jnp.dtype(dtype).itemsize
+
+
+def from_pretrained(path: str, **kwargs) -> nnx.Module:
+  """A model of a registered family (by config.json's model_type) from a checkpoint directory
+  or Hugging Face Hub id (``hf_io.from_pretrained``, where ``kwargs`` are described), or a PEFT
+  LoRA adapter's: its base with its adapters on it (``peft_io.from_pretrained``)."""
+  local = hub.local_path(path)
+  input_files.check(local, "directory", what="checkpoint")
+  if peft_io.is_adapter_dir(local):
+    return peft_io.from_pretrained(local, **kwargs)
+  return hf_io.from_pretrained(local, **kwargs)
 
 
 def init_model(config, *, seed: int = 0, mesh=None, rules=LOGICAL_AXIS_RULES):

@@ -37,6 +37,9 @@ class Checkpoint:
     param_names: (config, config.json dict) -> :data:`ParamNames`, in the official modeling
       code's names and layouts.
     ignored: config.json dict -> stored tensors that are not read (e.g. a tied head).
+    untyped: a config.json without ``model_type`` is this family's (LLaDA's releases have
+      none); at most one registered family says so. Its tokenizer conventions are also those of
+      a bare tokenizer.json.
   """
 
   model_type: str
@@ -44,6 +47,7 @@ class Checkpoint:
   config_to_hf: Callable[[Any], dict[str, Any]]
   param_names: Callable[[Any, dict[str, Any]], ParamNames]
   ignored: Callable[[dict[str, Any]], set[str]] = lambda hf: set()
+  untyped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +229,10 @@ def register(family: Family) -> Family:
   if clash:
     raise ValueError(f"model family {family.name!r}: model_type "
                      f"{family.checkpoint.model_type!r} is already {clash[0]!r}'s")
+  untyped = [f.name for f in _FAMILIES.values() if f.checkpoint.untyped]
+  if family.checkpoint.untyped and untyped:
+    raise ValueError(f"model family {family.name!r}: a config.json without model_type is "
+                     f"already {untyped[0]!r}'s")
   _FAMILIES[family.name] = family
   return family
 
@@ -256,13 +264,31 @@ def of(config_or_model: Any) -> Family:
                   f"({names()})")
 
 
-def by_model_type(model_type: str) -> Family:
-  """The family whose checkpoints have config.json ``model_type``."""
+def by_model_type(model_type: str | None) -> Family:
+  """The family whose checkpoints have config.json ``model_type`` (None: a config.json without
+  one, ``untyped``)."""
+  if model_type is None:
+    return untyped()
   for family in _FAMILIES.values():
     if family.checkpoint.model_type == model_type:
       return family
   raise NotImplementedError(f"config.json: model_type={model_type!r} is not supported; choose "
                             f"from {sorted(f.checkpoint.model_type for f in _FAMILIES.values())}")
+
+
+def untyped() -> Family:
+  """The family of a config.json without ``model_type`` and of a bare tokenizer.json
+  (``Checkpoint.untyped``); NotImplementedError if no registered family claims them."""
+  for family in _FAMILIES.values():
+    if family.checkpoint.untyped:
+      return family
+  raise NotImplementedError("config.json has no model_type, and no registered model family "
+                            f"reads such checkpoints; choose from {names()}")
+
+
+def caches() -> tuple[str, ...]:
+  """Every ``rollout.cache`` value some registered family's sampler takes."""
+  return tuple(dict.fromkeys(c for family in _FAMILIES.values() for c in family.caches))
 
 
 def block_size(config_or_model: Any) -> int | None:

@@ -43,8 +43,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # The safetensors dtype codes a parameter may be stored in (cast to the parameter dtype).
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-# A config.json without model_type: LLaDA's releases have none.
-_DEFAULT_MODEL_TYPE = "llada"
 
 
 class CheckpointError(ValueError):
@@ -82,61 +80,10 @@ def read_json_object(path: str, what: str = "") -> dict[str, Any]:
   return value
 
 
-def qwen_param_names(num_layers: int, *, tied: bool, attention_bias: bool, qk_norm: bool
-                     ) -> family_lib.ParamNames:
-  """(HF tensor name, JAX state path, transpose?) of a Qwen2/Qwen3-layout checkpoint (Dream's,
-  SDAR's): ``attention_bias`` q/k/v biases (Qwen2), ``qk_norm`` q_norm and k_norm (Qwen3);
-  ``tied``: the head reads model.embed_tokens.weight."""
-  names = [("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
-  for i in range(num_layers):
-    layer = f"model.layers.{i}."
-    names += [(layer + f"{norm}.weight", ("layers", i, norm, "weight"), False)
-              for norm in ("input_layernorm", "post_attention_layernorm")]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      names.append((layer + f"self_attn.{proj}.weight", ("layers", i, "self_attn", proj, "kernel"),
-                    True))
-      if attention_bias and proj != "o_proj":
-        names.append((layer + f"self_attn.{proj}.bias", ("layers", i, "self_attn", proj, "bias"),
-                      False))
-    if qk_norm:
-      names += [(layer + f"self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"),
-                 False) for norm in ("q_norm", "k_norm")]
-    names += [(layer + f"mlp.{hf}.weight", ("layers", i, "mlp", ours, "kernel"), True)
-              for hf, ours in (("gate_proj", "ff_proj"), ("up_proj", "up_proj"),
-                               ("down_proj", "ff_out"))]
-  names.append(("model.norm.weight", ("norm", "weight"), False))
-  names.append(("model.embed_tokens.weight" if tied else "lm_head.weight", ("lm_head", "kernel"),
-                True))
-  return names
-
-
-def qwen_fields(hf: dict[str, Any], fixed: dict[str, Any], required: tuple[str, ...]
-                ) -> dict[str, Any]:
-  """The shape fields of a Qwen2/Qwen3-layout config.json dict (Dream's, SDAR's config field
-  names), after refusing what the model does not implement: a ``fixed`` key (its only value
-  supported here) set otherwise, rope_scaling, or a missing ``required`` key."""
-  for key, supported in fixed.items():
-    if key in hf and hf[key] != supported:
-      raise NotImplementedError(f"config.json: {key}={hf[key]!r} is not supported "
-                                f"(this model implements {key}={supported!r})")
-  if hf.get("rope_scaling"):
-    raise NotImplementedError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported")
-  for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-              "vocab_size", "mask_token_id") + required:
-    if hf.get(key) is None:
-      raise CheckpointError(f"config.json has no {key!r}")
-  return dict(
-      hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
-      num_attention_heads=hf["num_attention_heads"],
-      num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-      intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      rope_theta=float(hf.get("rope_theta", 10000.0)), mask_token_id=hf["mask_token_id"])
-
-
 def family_of(hf: dict[str, Any]) -> family_lib.Family:
-  """The model family of a config.json dict, by its ``model_type``."""
-  return family_lib.by_model_type(hf.get("model_type", _DEFAULT_MODEL_TYPE))
+  """The model family of a config.json dict, by its ``model_type`` (none: the family that reads
+  such checkpoints, ``family.untyped``)."""
+  return family_lib.by_model_type(hf.get("model_type"))
 
 
 # ---------------------------------------------------------------------------
@@ -270,8 +217,8 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
 
   Args:
     path: directory with config.json and model.safetensors (or shards + index), or a Hugging
-      Face Hub id (``GSAI-ML/LLaDA-8B-Instruct``: fetched into the Hub cache, ``hub.py``); or a
-      PEFT LoRA adapter's: its base with its adapters on it (``peft_io.from_pretrained``).
+      Face Hub id (``GSAI-ML/LLaDA-8B-Instruct``: fetched into the Hub cache, ``hub.py``). A
+      PEFT LoRA adapter's directory loads through ``models.from_pretrained``.
     dtype: parameter and compute dtype (e.g. jnp.bfloat16); logits stay float32 unless
       `logits_dtype` is overridden.
     mesh: if given, parameters are created sharded over it by the logical-axis `rules`, each
@@ -289,9 +236,6 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = 
     sharding_lib.check_auto_mesh(mesh)
   path = hub.local_path(path)
   input_files.check(path, "directory", what="checkpoint")
-  from stabledrl_jax.models import peft_io  # pylint: disable=g-import-not-at-top  (it imports us)
-  if peft_io.is_adapter_dir(path):
-    return peft_io.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules, **config_overrides)
   hf_config = _read_hf_config(path)
   family = family_of(hf_config)
   layout = family.checkpoint

@@ -137,6 +137,14 @@ def load_adapter(model: nnx.Module, path: str, *, mesh: jax.sharding.Mesh | None
   return model
 
 
+def unwrapped(checkpoint: str) -> str:
+  """A checkpoint path or Hub id, or the base it names if it is a PEFT adapter."""
+  local = hub.local_path(checkpoint, files=(hf_io.CONFIG_FILE,) + FILES)
+  if is_adapter_dir(local):
+    return read_config(local)["base_model_name_or_path"]
+  return checkpoint
+
+
 def from_pretrained(path: str, **kwargs) -> nnx.Module:
   """The base model that the adapter directory (or Hub id) ``path`` names, with the adapter on it.
 

@@ -8,7 +8,7 @@ v5p-8 ... v5p-256, v6e-4 ... v6e-256, or a topology name, v5e:8x8) it compiles, 
 real TPU compiler on this host (no TPU needed; ``stabledrl_jax.tpu_compile``), from abstract
 inputs (nothing is allocated or run):
 
-  train     the configured train step (``build.abstract_update``)
+  train     the configured train step (``rl_step.abstract_programs``: update, scoring)
   sampler   the rollout sampler (``decoding.generate``), once per cache setting of the family
             (``--caches``; LLaDA: none / prefix / dual, SDAR: its own KV cache only) and
             remasking rule (``--remasking``: the configured rule, and the static / dynamic

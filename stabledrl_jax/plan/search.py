@@ -228,7 +228,7 @@ def compile_program(what: str, config, devices) -> Any:
   from stabledrl_jax import tpu_compile  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
   if what == "train":
-    return tpu_compile.compile_train_step(config, devices)  # build.abstract_update resolves.
+    return tpu_compile.compile_train_step(config, devices)  # rl_step.abstract_programs.
   with config.unlocked():
     config.model.remat = False  # Inference: nothing is kept for a backward pass.
     # The train step's microbatch plays no part here; one that the slice cannot split (the

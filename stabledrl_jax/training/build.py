@@ -8,9 +8,10 @@ compile, the planner and the benchmarks build the same parts abstractly (``abstr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ from flax import nnx
 from stabledrl_jax import hub, input_files, models, workdir_files
 from stabledrl_jax.models import hf_io, lora as lora_lib, peft_io
 from stabledrl_jax.training import checkpointing, data, mesh as mesh_lib
-from stabledrl_jax.training import rl_loss, run_spec as run_spec_lib, specs, train_step
+from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss, run_spec as run_spec_lib
+from stabledrl_jax.training import specs, train_step
 
 
 # ---------------------------------------------------------------------------
@@ -87,10 +89,25 @@ def _check_adapter_spec(config: ml_collections.ConfigDict, model: nnx.Module, ra
 _CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
 
 
+def checkpoint_config(config: ml_collections.ConfigDict) -> Any:
+  """The model config of ``model.checkpoint`` (a PEFT adapter's: its base's), from its config
+  files alone (fetched from the Hub where it is an id, with no weight: a repository that cannot
+  be fetched, offline, fails here); None without a checkpoint. Errors name the config field."""
+  if not config.model.checkpoint:
+    return None
+  with input_files.named("config.model.checkpoint"):
+    path = hub.local_path(config.model.checkpoint, files=_CONFIG_FILES,
+                          download=config.model.download)
+    input_files.check(path, "directory", what="checkpoint")
+    if peft_io.is_adapter_dir(path):
+      path = hub.local_path(peft_io.read_config(path)["base_model_name_or_path"],
+                            files=_CONFIG_FILES, download=config.model.download)
+    return models.load_config(path)
+
+
 def check_checkpoint(config: ml_collections.ConfigDict, tokenizer) -> None:
   """What ``build_model`` would refuse in ``model.checkpoint``, found from its config files
-  alone (fetched from the Hub where it is an id, with no weight: a repository that cannot be
-  fetched, offline, fails here): its family, rollout layout and sampler options
+  alone (``checkpoint_config``): its family, rollout layout and sampler options
   (``specs.validate_model``), the tokenizer's fit, and a PEFT adapter's rank, alpha and
   targets against ``model.lora``. The trainer runs it before it creates anything in its
   workdir.
@@ -98,20 +115,13 @@ def check_checkpoint(config: ml_collections.ConfigDict, tokenizer) -> None:
   Raises:
     ValueError / FileNotFoundError naming the config field.
   """
-  if not config.model.checkpoint:
+  model_config = checkpoint_config(config)
+  if model_config is None:
     return
   with input_files.named("config.model.checkpoint"):
     path = hub.local_path(config.model.checkpoint, files=_CONFIG_FILES,
                           download=config.model.download)
-    input_files.check(path, "directory", what="checkpoint")
-    adapter = None
-    if peft_io.is_adapter_dir(path):
-      adapter = peft_io.read_config(path)
-      base = adapter["base_model_name_or_path"]
-      model_config = models.load_config(hub.local_path(base, files=_CONFIG_FILES,
-                                                       download=config.model.download))
-    else:
-      model_config = models.load_config(path)
+    adapter = peft_io.read_config(path) if peft_io.is_adapter_dir(path) else None
   try:
     data.check_tokenizer(model_config, tokenizer)
   except ValueError as error:
@@ -204,10 +214,14 @@ class Parts:
     graphdef: the model's graph (``nnx.split``); its parameters live in the state.
     run: the resolved run (``Resolved.run``): objective, likelihood, microbatches, LoRA.
     rollout: the resolved rollouts (``Resolved.rollout``): batch, prompts, sampler, eval.
-    tx: the optimizer; ``schedule`` its learning rate per update, over ``num_updates``.
+    optimizer: the optimizer's spec (``tx``, ``schedule``: its learning rate per update).
     state_shardings: the ``TrainState``'s shardings.
     batch_sharding: rows split over the mesh's data axes (rank-1 spec: any rank).
     replicated: a sharding that every device holds whole.
+    signature: what the jitted functions of the step depend on, hashable: ((the graph, the
+      mesh, the run, the parameters' shapes, dtypes and shardings), the optimizer). They are
+      memoized on it (``memoized``; the scoring passes on its first part, which no optimizer
+      changes), so a second run of the same shape in one process traces nothing.
   """
 
   mesh: jax.sharding.Mesh
@@ -215,12 +229,36 @@ class Parts:
   graphdef: Any
   run: run_spec_lib.RunSpec
   rollout: run_spec_lib.RolloutSpec
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule
-  num_updates: int
+  optimizer: optimizer_lib.OptimizerSpec
   state_shardings: Any
   batch_sharding: jax.sharding.NamedSharding
   replicated: jax.sharding.NamedSharding
+  signature: Any
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    return self.optimizer.tx
+
+  @property
+  def schedule(self) -> optax.Schedule:
+    return self.optimizer.lr_schedule
+
+  @property
+  def num_updates(self) -> int:
+    return self.optimizer.num_updates
+
+  def with_lr_scale(self, scale: float) -> Parts:
+    """The same parts with the learning rate at ``scale`` x the configured one (the same
+    optimizer state layout, so the shardings carry over)."""
+    optimizer = self.optimizer.scaled(scale)
+    return dataclasses.replace(self, optimizer=optimizer,
+                               signature=(self.signature[0], optimizer))
+
+
+def params_signature(params: Any) -> tuple[Any, ...]:
+  """The parameters' tree, shapes, dtypes and shardings (concrete or abstract), hashable."""
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef, tuple((tuple(x.shape), str(x.dtype), x.sharding) for x in leaves)
 
 
 def parts(resolved: run_spec_lib.Resolved, mesh, graphdef: Any, params: Any) -> Parts:
@@ -231,25 +269,48 @@ def parts(resolved: run_spec_lib.Resolved, mesh, graphdef: Any, params: Any) -> 
   shardings = train_step.state_shardings(
       resolved.tx, params, jax.tree.map(lambda p: p.sharding, params), replicated,
       objective_state=run.initial_state(), lora=run.lora)
+  signature = ((graphdef, mesh, run, params_signature(params)), resolved.optimizer)
   return Parts(mesh=mesh, model_config=resolved.model, graphdef=graphdef, run=run,
-               rollout=resolved.rollout, tx=resolved.tx, schedule=resolved.schedule,
-               num_updates=resolved.num_updates, state_shardings=shardings,
-               batch_sharding=models.batch_sharding(mesh, ndim=1), replicated=replicated)
+               rollout=resolved.rollout, optimizer=resolved.optimizer, state_shardings=shardings,
+               batch_sharding=models.batch_sharding(mesh, ndim=1), replicated=replicated,
+               signature=signature)
+
+
+# The jitted functions of the runs built in this process, by what they depend on (``memoized``).
+_MEMO: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_MEMO_SIZE = 64
+
+
+def memoized(key: Any, make: Callable[[], Any]) -> Any:
+  """``make()`` once per ``key`` (hashable) in this process, the last ``_MEMO_SIZE`` kept: a
+  jitted function of a run's parts, so that a second run of the same shape (a test, a sweep, a
+  rerun in a notebook) reuses its traces and executables."""
+  try:
+    _MEMO.move_to_end(key)
+    return _MEMO[key]
+  except KeyError:
+    made = _MEMO[key] = make()
+    while len(_MEMO) > _MEMO_SIZE:
+      _MEMO.popitem(last=False)
+    return made
 
 
 def initial_state(parts_: Parts, params: Any, seed: int) -> train_step.TrainState:
   """A fresh ``TrainState`` of ``params``, placed by ``parts_.state_shardings``."""
   run = parts_.run
-  return jax.jit(lambda p: train_step.create_train_state(
-      p, parts_.tx, seed, run.initial_state(), lora=run.lora),
-                 out_shardings=parts_.state_shardings)(params)
+  create = memoized(("initial_state", parts_.signature, seed), lambda: jax.jit(
+      lambda p: train_step.create_train_state(p, parts_.tx, seed, run.initial_state(),
+                                              lora=run.lora),
+      out_shardings=parts_.state_shardings))
+  return create(params)
 
 
 def make_update(parts_: Parts):
-  """The jitted update of the run (``train_step.make_update_fn``), state donated and pinned."""
-  return train_step.make_update_fn(
+  """The jitted update of the run (``train_step.make_update_fn``), state donated and pinned;
+  memoized on the parts' signature."""
+  return memoized(("update", parts_.signature), lambda: train_step.make_update_fn(
       parts_.graphdef, parts_.tx, state_shardings=parts_.state_shardings,
-      batch_shardings=parts_.batch_sharding, replicated=parts_.replicated, run=parts_.run)
+      batch_shardings=parts_.batch_sharding, replicated=parts_.replicated, run=parts_.run))
 
 
 def abstract_batch(parts_: Parts) -> rl_loss.RolloutBatch:
@@ -266,17 +327,15 @@ def abstract_batch(parts_: Parts) -> rl_loss.RolloutBatch:
       stressed=array((n,), bool) if r.stress_fraction > 0 else None)
 
 
-def abstract_update(config: ml_collections.ConfigDict, devices=None):
-  """The update of ``config`` and abstract inputs for it: nothing is allocated.
-
-  For ahead-of-time compilation (the TPU compile, the planner):
-  ``update.lower(state, batch, key).compile()``. The model is ``model.name`` fresh (not
-  ``model.checkpoint``), placed on the config's mesh over ``devices`` (default: all) by the
-  same rules as in training.
+def abstract_parts(config: ml_collections.ConfigDict, devices=None
+                   ) -> tuple[Parts, train_step.TrainState, rl_loss.RolloutBatch, Any]:
+  """The parts of ``config`` and abstract inputs for its programs: nothing is allocated. The
+  model is ``model.name`` fresh (not ``model.checkpoint``), placed on the config's mesh over
+  ``devices`` (default: all) by the same rules as in training.
 
   Returns:
-    (update, state, batch, key): the jitted update and ``jax.ShapeDtypeStruct`` pytrees of a
-    ``TrainState``, a ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
+    (parts, state, batch, key): ``jax.ShapeDtypeStruct`` pytrees of a ``TrainState``, a
+    ``RolloutBatch`` of P x G rollouts and a PRNG key, with their shardings.
   """
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   resolved = specs.resolve(config, mesh.devices.size)
@@ -289,4 +348,15 @@ def abstract_update(config: ml_collections.ConfigDict, devices=None):
       built.state_shardings)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=built.replicated)
-  return make_update(built), state, abstract_batch(built), key
+  return built, state, abstract_batch(built), key
+
+
+def abstract_update(config: ml_collections.ConfigDict, devices=None):
+  """The update of ``config`` and abstract inputs for it (``abstract_parts``), for
+  ahead-of-time compilation: ``update.lower(state, batch, key).compile()``.
+
+  Returns:
+    (update, state, batch, key): the jitted update and the abstract inputs.
+  """
+  built, state, batch, key = abstract_parts(config, devices)
+  return make_update(built), state, batch, key

@@ -261,8 +261,8 @@ def load_tokenizer(source: CheckpointSource, spec: str = ""):
 def _hf_tokenizer(path: str, source: CheckpointSource):
   """A tokenizer.json with the conventions (chat template, special tokens) of the checkpoint's
   model family (``Family.tokenizer``): its config.json's, or its workdir's ``model.family``;
-  LLaDA's for a bare tokenizer.json."""
-  family = family_lib.get("llada")
+  for a bare tokenizer.json, the family of untyped checkpoints (``family.untyped``: LLaDA)."""
+  family = family_lib.untyped()
   if source.kind in (HUGGING_FACE, PEFT):
     family = family_lib.of(models.load_config(model_dir(source)))
   elif source.config is not None:
@@ -288,14 +288,6 @@ def model_has_adapters(source: CheckpointSource) -> bool:
   return bool(lora and lora.rank)
 
 
-def unwrapped(checkpoint: str) -> str:
-  """A ``model.checkpoint``, or the base it names if it is a PEFT adapter."""
-  local = hub.local_path(checkpoint, files=(hf_io.CONFIG_FILE,) + peft_io.FILES)
-  if peft_io.is_adapter_dir(local):
-    return peft_io.read_config(local)["base_model_name_or_path"]
-  return checkpoint
-
-
 def adapter_base(source: CheckpointSource) -> str | None:
   """What a PEFT adapter of ``source`` names as its base (a Hub id or an absolute directory): a
   PEFT source's own base; a workdir's ``model.checkpoint`` (an adapter's base, if it is one) or
@@ -306,7 +298,7 @@ def adapter_base(source: CheckpointSource) -> str | None:
     return None
   start = source.config.model.checkpoint
   if start:
-    start = unwrapped(start)
+    start = peft_io.unwrapped(start)
     return start if hub.is_hub_id(start) else os.path.abspath(start)
   sft = os.path.join(source.path, supervised.SFT_DIR)
   return sft if is_huggingface_dir(sft) else None
@@ -314,7 +306,7 @@ def adapter_base(source: CheckpointSource) -> str | None:
 
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
-    start = hub.local_path(unwrapped(config.model.checkpoint), files=(hf_io.CONFIG_FILE,))
+    start = hub.local_path(peft_io.unwrapped(config.model.checkpoint), files=(hf_io.CONFIG_FILE,))
     if not os.path.isfile(os.path.join(start, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")

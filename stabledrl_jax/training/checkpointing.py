@@ -379,9 +379,14 @@ def nonfinite_leaves(tree: Any) -> list[str]:
   floating = [(path, x) for path, x in flat if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not floating:
     return []
-  finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])(
-      [x for _, x in floating]))
+  finite = jax.device_get(_all_finite([x for _, x in floating]))
   return [jax.tree_util.keystr(path) for (path, _), ok in zip(floating, finite) if not ok]
+
+
+@jax.jit
+def _all_finite(xs: list[jax.Array]) -> list[jax.Array]:
+  """Whether each array holds only finite values (a scalar bool each)."""
+  return [jnp.all(jnp.isfinite(x)) for x in xs]
 
 
 # Fields that define what a workdir's checkpoints hold: a resume must not change them.

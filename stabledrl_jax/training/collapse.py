@@ -232,3 +232,129 @@ class Trajectory:
   def best_eval(self) -> float | None:
     values = [float(r[EVAL_METRIC]) for r in self._by_step.values() if EVAL_METRIC in r]
     return max(values) if values else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What the guard decided after a step (``Guard.after_step``); the loop acts on it.
+
+  Attributes:
+    save_best: the step's state is the best eval so far: save it as the best checkpoint.
+    event: the collapse acted on ({"step", "why", "detected_at", "action"}; a restore's also
+      "restored_step", "restored_eval" and "lr_scale"), else None: train on.
+  """
+
+  save_best: bool = False
+  event: Mapping[str, Any] | None = None
+
+  @property
+  def action(self) -> str:
+    """'continue', 'restore' or 'stop'."""
+    return "continue" if self.event is None else self.event["action"]
+
+  @property
+  def restore_to(self) -> int | None:
+    """The step a restore goes back to."""
+    return None if self.event is None else self.event.get("restored_step")
+
+  def record(self) -> dict[str, float]:
+    """The metrics record of the decision (``GUARD_PREFIX``): the step restored to (-1: a stop)
+    and the learning-rate scale; {} when it is to train on."""
+    if self.event is None:
+      return {}
+    restored = self.event.get("restored_step")
+    return {GUARD_PREFIX + "restored_to": -1 if restored is None else restored,
+            GUARD_PREFIX + "lr_scale": self.event.get("lr_scale", self._scale)}
+
+  _scale: float = 1.0  # The scale a stop leaves (a restore's event holds its own).
+
+
+class Guard:
+  """The collapse guard of one run (``train.collapse_guard``): it keeps the run's trajectory,
+  its events and the best eval so far, and after every step decides (``after_step``) what the
+  loop does: train on, restore the best eval's state with the learning rate scaled, or stop. It
+  reads and writes no file: the loop saves and restores the checkpoints it names.
+
+  Attributes:
+    settings: the guard's settings.
+    events: every collapse acted on, and each 'go on' (``EVENTS_FILE``).
+    lr_scale: the learning-rate scale the restores left (1 before any).
+    best: (step, eval) of the best eval's checkpoint, or None.
+    trajectory: the run's records as it now stands.
+  """
+
+  def __init__(self, settings: GuardSettings, events: Sequence[Mapping[str, Any]] = (), *,
+               best: tuple[int, float | None] | None = None,
+               trajectory: Trajectory | None = None):
+    self.settings = settings
+    self.events = [dict(e) for e in events]
+    self.lr_scale = lr_scale_of(self.events)
+    self.best = best
+    self.trajectory = Trajectory() if trajectory is None else trajectory
+
+  @property
+  def stopped(self) -> Mapping[str, Any] | None:
+    """The stop that ended the run (``stopped_by``), else None."""
+    return stopped_by(self.events)
+
+  @classmethod
+  def resume(cls, settings: GuardSettings, *, saved: Sequence[Mapping[str, Any]] | None,
+             written: Sequence[Mapping[str, Any]], start_step: int) -> Guard:
+    """The guard of a run started (``saved`` = []) or resumed at ``start_step`` from a
+    checkpoint whose meta holds the events ``saved`` (``events_on_resume``; ``written``: the
+    events file's). A run the guard stopped stays stopped (``stopped``) unless
+    ``settings.go_on``: then a 'go on' event is added, from which the rules judge the run
+    (``read_trajectory``) and the restores are counted afresh."""
+    guard = cls(settings, events_on_resume(saved, written))
+    if guard.stopped is not None and settings.go_on:
+      guard.events.append({"action": "go_on", "step": start_step})
+    return guard
+
+  def read_trajectory(self, records: Sequence[Mapping[str, Any]], start_step: int) -> None:
+    """The trajectory of a run resumed at ``start_step`` from its metrics ``records``: those up
+    to it, after the last 'go on'."""
+    go_on = [e["step"] for e in self.events if e.get("action") == "go_on"]
+    self.trajectory = Trajectory(records, upto=start_step, after=go_on[-1] if go_on else None)
+
+  @property
+  def went_on_at(self) -> int | None:
+    """The step of the last event if it is a 'go on', else None."""
+    last = self.events[-1] if self.events else {}
+    return last.get("step") if last.get("action") == "go_on" else None
+
+  def start(self, record: Mapping[str, Any]) -> bool:
+    """The start's evaluation (step 0); whether to save it as the best checkpoint."""
+    return self._track(0, record, healthy=True)
+
+  def _track(self, done: int, record: Mapping[str, Any], healthy: bool) -> bool:
+    before = self.trajectory.best_eval()
+    self.trajectory.add({"step": done, **record})
+    value = record.get(EVAL_METRIC)
+    if healthy and value is not None and (before is None or float(value) > before):
+      self.best = (done, float(value))
+      return True
+    return False
+
+  def after_step(self, done: int, record: Mapping[str, Any], healthy: bool) -> Decision:
+    """The decision after step ``done`` (its metrics ``record``; ``healthy``: no update of it
+    was skipped), before its checkpoint. A restore needs a best eval before the collapse (an
+    eval rule's always is) and fewer than ``max_restores`` restores since the last 'go on'."""
+    save_best = self._track(done, record, healthy)
+    event = first_collapse(self.trajectory.records(), self.settings.rules)
+    if event is None:
+      return Decision(save_best=save_best)
+    best_step = None if self.best is None else self.best[0]
+    restore = (self.settings.action == "restore"
+               and restores_since_go_on(self.events) < self.settings.max_restores
+               and best_step is not None and best_step < event["step"])
+    event = {**event, "detected_at": done, "action": "restore" if restore else "stop"}
+    if restore:
+      self.lr_scale *= self.settings.lr_factor
+      self.trajectory.truncate(best_step)
+      event.update(restored_step=best_step, restored_eval=self.best[1], lr_scale=self.lr_scale)
+    self.events.append(event)
+    return Decision(save_best=save_best, event=event, _scale=self.lr_scale)
+
+  def dump(self) -> str:
+    """The ``EVENTS_FILE`` text."""
+    return json.dumps({"events": self.events, "lr_scale": self.lr_scale}, indent=2)

@@ -28,7 +28,52 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 113
 
-  c.model = ml_collections.ConfigDict(dict(
+  c.model = _model_section()
+  # kind: 'char' (alphabet) or a model family's name, whose conventions apply to the
+  # tokenizer.json at path: a file, a directory holding one, or a Hub id.
+  c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
+  c.task = _task_section()
+  c.data = ml_collections.ConfigDict(dict(
+      train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
+      generator=ml_collections.ConfigDict()))
+
+  c.rollout = _rollout_section()
+
+  c.objective = _objective_section()
+  c.estimator = _estimator_section()
+
+  c.optimizer = ml_collections.ConfigDict(dict(
+      learning_rate=1e-6, schedule="linear", warmup_steps=0, end_lr_factor=0.0,
+      b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip=0.2))
+  c.train = _train_section()
+  # steps 0: gen/2. family_options: the evaluation's own values of rollout.family_options.
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=100, batch_size=64, steps=0,
+      family_options=ml_collections.ConfigDict(family_option_fields())))
+  c.logging = _logging_section()
+  # The spike recorder (docs/diagnostics.md): a step whose largest pre-clip gradient norm exceeds
+  # spike_factor x the median of the previous spike_window steps' (known for at least
+  # spike_min_history steps), or that skipped an update as non-finite, leaves its rollouts,
+  # rewards, advantages, per-sample log ratios and weights in <workdir>/spikes/step_<n>.npz
+  # (spike_factor 0: non-finite steps only). kl_to_start: log kl_start/mean, the policy's KL
+  # divergence from the start of RL on its own rollouts (two more scoring passes a step).
+  c.diagnostics = ml_collections.ConfigDict(dict(spike_factor=10.0, spike_window=20,
+                                                 spike_min_history=5, kl_to_start=False))
+  # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since
+  # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,
+                                                max_to_keep=3))
+  # Global axis sizes (training/mesh.py); dcn_data: how many slices the data axis spans.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1))
+  c.sft = ml_collections.ConfigDict(dict(
+      num_steps=0, batch_size=64, learning_rate=1e-3,
+      demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
+  return c
+
+
+def _model_section() -> ml_collections.ConfigDict:
+  """``config.model``."""
+  return ml_collections.ConfigDict(dict(
       family="llada",  # llada (full-attention masked diffusion) | sdar (block diffusion)
       # A config of the family: llada: tiny | small | llada_8b (models.get_config);
       # sdar: tiny | small | sdar_1_7b | sdar_4b | sdar_8b (models.get_sdar_config).
@@ -62,22 +107,21 @@ def base_config() -> ml_collections.ConfigDict:
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,up_proj",
                                           dropout=0.0, base_dtype="bfloat16")),
   ))
-  # kind: 'char' (alphabet) or a model family's name, whose conventions apply to the
-  # tokenizer.json at path: a file, a directory holding one, or a Hub id.
-  c.tokenizer = ml_collections.ConfigDict(dict(kind="char", alphabet="", path=""))
+
+def _task_section() -> ml_collections.ConfigDict:
+  """``config.task``."""
   # reward: the scheme (tasks.REWARD_SCHEMES): 'stabledrl' (the official StableDRL code's: its
   # correctness rewards plus anti_short_boxed) or 'd1' (correctness plus format terms).
   # prompt_style (tasks.PROMPT_STYLES), with with_instruction: 'd1' (the task's instruction in
   # the d1 layout, then the question) or 'stabledrl' (the official StableDRL templates).
   # reward_workers: processes that score rollouts in parallel (0: in this process; math-verify
   # can take 0.2 s an answer), each answer bounded by reward_timeout_s (past it: reward 0).
-  c.task = ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False,
+  return ml_collections.ConfigDict(dict(name="sudoku", with_instruction=False,
                                           prompt_style="d1", reward="stabledrl", reward_workers=0,
                                           reward_timeout_s=10.0))
-  c.data = ml_collections.ConfigDict(dict(
-      train="synthetic", eval="synthetic", train_size=20_000, eval_size=256,
-      generator=ml_collections.ConfigDict()))
 
+def _rollout_section() -> ml_collections.ConfigDict:
+  """``config.rollout``."""
   # steps: denoising steps over the whole completion. block_length: LLaDA's semi-autoregressive
   # blocks; SDAR decodes by its model's block_size (prompt_length and gen_length multiples of it)
   # and ignores it. remasking: llada: low_confidence | random (`steps` on an even schedule) |
@@ -86,7 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
   # position above `threshold`, or the static count if fewer pass); dream: its generate's alg,
   # origin | maskgit_plus | topk_margin | entropy, over the whole completion (block_length =
   # gen_length).
-  c.rollout = ml_collections.ConfigDict(dict(
+  return ml_collections.ConfigDict(dict(
       num_prompts=32, group_size=16, prompt_length=64, gen_length=256, steps=128,
       block_length=32, temperature=0.9, remasking="low_confidence", threshold=0.9,
       # LLaDA: block-wise KV caching of the rollout sampler (Fast-dLLM; models/llada/sampler.py):
@@ -103,6 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
       # take only when it is set.
       family_options=ml_collections.ConfigDict(family_option_fields())))
 
+def _objective_section() -> ml_collections.ConfigDict:
+  """``config.objective``."""
   # Each objective's hyperparameters are its registered dataclass's (stabledrl_jax/objectives/),
   # defaulting to its official code's (docs/algorithms.md lists them with their sources). Its
   # section config.objective.<name> is generated from that dataclass (``objective_sections``),
@@ -110,9 +156,12 @@ def base_config() -> ml_collections.ConfigDict:
   # field left unset (None) keeps the default. An objective registered elsewhere needs no
   # section here (add one to your config file to override its fields).
   # advantage_baseline: '' = the objective's own (group_mean, or ESPO's leave_one_out).
-  c.objective = ml_collections.ConfigDict(dict(
+  return ml_collections.ConfigDict(dict(
       name="stabledrl", scale_advantages_by_std=False, advantage_baseline="",
       **objective_sections()))
+
+def _estimator_section() -> ml_collections.ConfigDict:
+  """``config.estimator``."""
   # Every field left unset (None, or '') takes the value of the objective's official code
   # (``estimator_settings``): method (one the model family takes: estimators.methods() for
   # LLaDA), num_samples (K), normalize ('sum' | 'mean'), coupled_ratio (l_old on each update's
@@ -123,7 +172,7 @@ def base_config() -> ml_collections.ConfigDict:
   # do not apply.
   # The mask samplers' options (block_length, prompt_mask_prob, schedule, coupled) are generated
   # from the registered methods' keyword-only arguments (``estimator_option_fields``).
-  c.estimator = ml_collections.ConfigDict(dict(
+  return ml_collections.ConfigDict(dict(
       method="",
       num_samples=config_dict.placeholder(int),
       normalize="",
@@ -134,12 +183,11 @@ def base_config() -> ml_collections.ConfigDict:
       # ones (the first ceil(hard_rate * L), t_max), so that log rho explodes.
       stress=ml_collections.ConfigDict(dict(fraction=0.0, easy_rate=0.1, hard_rate=1.0))))
 
-  c.optimizer = ml_collections.ConfigDict(dict(
-      learning_rate=1e-6, schedule="linear", warmup_steps=0, end_lr_factor=0.0,
-      b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip=0.2))
+def _train_section() -> ml_collections.ConfigDict:
+  """``config.train``."""
   # num_steps counts RL steps (rollout batches); each makes num_iterations optimizer updates,
   # over which the learning-rate schedule runs (num_steps * num_iterations in all).
-  c.train = ml_collections.ConfigDict(dict(
+  return ml_collections.ConfigDict(dict(
       num_steps=1000, num_iterations=2, microbatch_groups=0,  # 0: the whole batch at once
       max_consecutive_skips=10,
       # Log StableDRL's convex-hull bound max_j |A_j| ||grad s_j|| per update (per-sample
@@ -158,12 +206,11 @@ def base_config() -> ml_collections.ConfigDict:
       collapse_guard=ml_collections.ConfigDict(dict(
           enabled=False, action="restore", lr_factor=0.5, max_restores=2, eval_margin=2.0,
           reward_margin=0.02, window=20, max_skipped=1, go_on=False))))
-  # steps 0: gen/2. family_options: the evaluation's own values of rollout.family_options.
-  c.eval = ml_collections.ConfigDict(dict(
-      every_steps=100, batch_size=64, steps=0,
-      family_options=ml_collections.ConfigDict(family_option_fields())))
+
+def _logging_section() -> ml_collections.ConfigDict:
+  """``config.logging``."""
   # What process 0 logs besides metrics.jsonl and TensorBoard (docs/training.md, "Metrics").
-  c.logging = ml_collections.ConfigDict(dict(
+  return ml_collections.ConfigDict(dict(
       # A few rollouts (prompt, completion, reward) every N RL steps in samples.jsonl and as
       # TensorBoard text (0: never).
       samples_every_steps=10, num_samples=4,
@@ -173,24 +220,6 @@ def base_config() -> ml_collections.ConfigDict:
       # Weights & Biases (needs `pip install wandb`): off unless project is set.
       wandb=ml_collections.ConfigDict(dict(project="", entity="", name="")),
   ))
-  # The spike recorder (docs/diagnostics.md): a step whose largest pre-clip gradient norm exceeds
-  # spike_factor x the median of the previous spike_window steps' (known for at least
-  # spike_min_history steps), or that skipped an update as non-finite, leaves its rollouts,
-  # rewards, advantages, per-sample log ratios and weights in <workdir>/spikes/step_<n>.npz
-  # (spike_factor 0: non-finite steps only). kl_to_start: log kl_start/mean, the policy's KL
-  # divergence from the start of RL on its own rollouts (two more scoring passes a step).
-  c.diagnostics = ml_collections.ConfigDict(dict(spike_factor=10.0, spike_window=20,
-                                                 spike_min_history=5, kl_to_start=False))
-  # A checkpoint every `every_steps` RL steps, and also once `every_seconds` have passed since
-  # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,
-                                                max_to_keep=3))
-  # Global axis sizes (training/mesh.py); dcn_data: how many slices the data axis spans.
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1))
-  c.sft = ml_collections.ConfigDict(dict(
-      num_steps=0, batch_size=64, learning_rate=1e-3,
-      demo_error_rate=0.0, demo_error_cells=1))  # an imperfect demonstrator (data.py)
-  return c
 
 
 _PLACEHOLDER_TYPES = {"float": float, "int": int, "str": str, "bool": bool}

@@ -297,3 +297,18 @@ def metrics_of(totals: np.ndarray, num_examples: int) -> dict[str, float]:
   return {"eval/accuracy": 100.0 * correct / max(total, 1.0),
           "eval/reward_mean": reward / num_examples,
           "eval/model_calls": calls / num_examples}
+
+
+def evaluate(model: Any, tokenizer, task: Any, prompts: data.PromptSet, key: jax.Array,
+             decoding: Decoding, *, mesh: jax.sharding.Mesh, batch_size: int, reward_scheme: str,
+             split: multihost.RowSplit | None = None) -> dict[str, float]:
+  """The held-out evaluation (the trainer's, and the experiments' on a restored model): the
+  encoded ``prompts`` decoded by ``decoding`` (``score_batches``) and scored; the totals summed
+  over the processes, where ``split`` says which process counts each row (one process: None).
+  Returns ``metrics_of``'s: the task's metric in percent, the mean reward and model calls."""
+  totals = score_batches(model, tokenizer, task, prompts.examples, prompts.tokens, prompts.mask,
+                         key, decoding, mesh=mesh, batch_size=batch_size,
+                         reward_scheme=reward_scheme)
+  if split is not None:
+    totals = multihost.sum_over_rows(totals, split)
+  return metrics_of(totals, len(prompts.examples))

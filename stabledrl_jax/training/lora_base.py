@@ -26,7 +26,7 @@ import ml_collections
 from etils import epath
 
 from stabledrl_jax import hub, workdir_files
-from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax.models import lora as lora_lib, peft_io
 
 META_KEY = "lora_base"
 _SAMPLE = 1 << 20  # Bytes of data hashed at each end of a safetensors file.
@@ -84,7 +84,6 @@ def recorded_source(where: str, workdir: epath.PathLike) -> str:
 def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict[str, Any]:
   """{"source", "base_dtype", "fingerprint"} of the frozen base of ``config``'s LoRA run (the
   source relative to the workdir where it lies inside it: ``recorded_source``)."""
-  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
   where = source(config, workdir)
   if where == "init":
     model = {k: v for k, v in json.loads(config.model.to_json_best_effort()).items()
@@ -94,7 +93,7 @@ def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict
                        "seed": config.seed}, sort_keys=True)
     mark = hashlib.sha256(text.encode()).hexdigest()
   else:
-    base = checkpoint_source.unwrapped(where)  # A PEFT adapter: its base.
+    base = peft_io.unwrapped(where)  # A PEFT adapter: its base.
     mark = fingerprint_dir(hub.local_path(base))
   return {"source": recorded_source(where, workdir), "base_dtype": config.model.lora.base_dtype,
           "fingerprint": mark}

@@ -1,41 +1,100 @@
-"""The optimizer: clip_by_global_norm -> AdamW with a learning-rate schedule (docs/training.md, "Configs")."""
+"""The optimizer: clip_by_global_norm -> AdamW with a learning-rate schedule (docs/training.md,
+"Configs"), made in one place: ``OptimizerSpec``, the ``optimizer`` section resolved.
+
+Equal specs give the same ``tx`` object (``OptimizerSpec.tx`` is cached), so the jitted update of
+a run (``build.make_update``) is memoized on the spec: a second run of the same shape in one
+process traces nothing again.
+"""
 
 from __future__ import annotations
 
-import ml_collections
+import dataclasses
+import functools
+from typing import Any
+
 import optax
 
+SCHEDULES = ("linear", "constant")
 
-def learning_rate_schedule(config: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
-  """Linear warmup to ``learning_rate``, then 'linear' decay to ``end_lr_factor * lr`` or 'constant'.
 
-  Counts optimizer updates: ``num_steps`` RL steps x ``num_iterations`` inner updates.
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+  """The ``optimizer`` section over a run's ``num_updates`` (train.num_steps x
+  train.num_iterations), its learning rate times ``lr_scale`` (the collapse guard's restores).
+
+  Linear warmup to the learning rate over ``warmup_steps`` updates, then 'linear' decay to
+  ``end_lr_factor`` x lr or 'constant'; gradients clipped to global norm ``grad_clip`` (0: not).
   """
-  lr = config.learning_rate
-  warmup = config.warmup_steps
-  if config.schedule == "constant":
+
+  learning_rate: float
+  schedule: str
+  warmup_steps: int
+  end_lr_factor: float
+  grad_clip: float
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  num_updates: int
+  lr_scale: float = 1.0
+
+  @classmethod
+  def of(cls, section: Any, num_updates: int, *, lr_scale: float = 1.0) -> OptimizerSpec:
+    """From the config's ``optimizer`` section (ValueError naming a bad schedule)."""
+    if section.schedule not in SCHEDULES:
+      raise ValueError(f"config.optimizer.schedule must be one of {SCHEDULES}, got "
+                       f"{section.schedule!r}.")
+    return cls(learning_rate=float(section.learning_rate), schedule=section.schedule,
+               warmup_steps=int(section.warmup_steps),
+               end_lr_factor=float(section.end_lr_factor), grad_clip=float(section.grad_clip),
+               b1=float(section.b1), b2=float(section.b2), eps=float(section.eps),
+               weight_decay=float(section.weight_decay), num_updates=int(num_updates),
+               lr_scale=float(lr_scale))
+
+  def scaled(self, lr_scale: float) -> OptimizerSpec:
+    """The same optimizer at ``lr_scale`` x ``learning_rate`` (the same state layout: AdamW's
+    moments carry over)."""
+    return dataclasses.replace(self, lr_scale=float(lr_scale))
+
+  @property
+  def lr_schedule(self) -> optax.Schedule:
+    """The learning rate per update."""
+    return _schedule(self)
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    """``clip_by_global_norm(grad_clip) -> adamw(b1, b2, eps, weight_decay)`` on the schedule."""
+    return _tx(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(spec: OptimizerSpec) -> optax.Schedule:
+  lr = spec.learning_rate * spec.lr_scale
+  warmup = spec.warmup_steps
+  if spec.schedule == "constant":
     decay = optax.constant_schedule(lr)
-  elif config.schedule == "linear":
-    decay = optax.linear_schedule(lr, lr * config.end_lr_factor, max(num_steps - warmup, 1))
   else:
-    raise ValueError(
-        f"config.optimizer.schedule must be 'linear' or 'constant', got {config.schedule!r}.")
+    decay = optax.linear_schedule(lr, lr * spec.end_lr_factor, max(spec.num_updates - warmup, 1))
   if not warmup:
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   num_updates: int) -> optax.GradientTransformation:
-  """``clip_by_global_norm(grad_clip) -> adamw(b1, b2, eps, weight_decay)`` with the schedule.
-
-  Args:
-    config: the ``optimizer`` section of the experiment config.
-    num_updates: total optimizer updates, the length of the decay.
-  """
+@functools.lru_cache(maxsize=64)
+def _tx(spec: OptimizerSpec) -> optax.GradientTransformation:
   parts = []
-  if config.grad_clip > 0:
-    parts.append(optax.clip_by_global_norm(config.grad_clip))
-  parts.append(optax.adamw(learning_rate_schedule(config, num_updates), b1=config.b1,
-                           b2=config.b2, eps=config.eps, weight_decay=config.weight_decay))
+  if spec.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(spec.grad_clip))
+  parts.append(optax.adamw(spec.lr_schedule, b1=spec.b1, b2=spec.b2, eps=spec.eps,
+                           weight_decay=spec.weight_decay))
   return optax.chain(*parts)
+
+
+def learning_rate_schedule(section: Any, num_updates: int) -> optax.Schedule:
+  """The schedule of the ``optimizer`` section over ``num_updates`` (``OptimizerSpec``)."""
+  return OptimizerSpec.of(section, num_updates).lr_schedule
+
+
+def make_optimizer(section: Any, num_updates: int) -> optax.GradientTransformation:
+  """The optimizer of the ``optimizer`` section over ``num_updates`` (``OptimizerSpec``)."""
+  return OptimizerSpec.of(section, num_updates).tx

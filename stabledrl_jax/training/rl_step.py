@@ -70,30 +70,55 @@ class StepOutputs:
 
 
 def scoring(parts: build.Parts, run: run_spec.RunSpec):
-  """jit(``train_step.estimate_no_grad``) of ``run``: (params, batch, key, stress_mode=None)."""
+  """jit(``train_step.estimate_no_grad``) of ``run``: (params, batch, key, stress_mode=None);
+  memoized on the parts' model signature (no optimizer changes it) and ``run``."""
   microbatches = train_step.microbatch_sharding(parts.batch_sharding)
-  return jax.jit(train_step.traced_under(
-      parts.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
-          params, batch, key, graphdef=parts.graphdef, run=run, stress_mode=stress_mode,
-          microbatch_sharding=microbatches)), static_argnames="stress_mode")
+  return build.memoized(("scoring", parts.signature[0], run), lambda: jax.jit(
+      train_step.traced_under(
+          parts.mesh, lambda params, batch, key, stress_mode=None: train_step.estimate_no_grad(
+              params, batch, key, graphdef=parts.graphdef, run=run, stress_mode=stress_mode,
+              microbatch_sharding=microbatches)), static_argnames="stress_mode"))
 
 
 def step_functions(parts: build.Parts, collect: rollout_lib.RolloutCollector, *,
                    num_iterations: int, kl_to_start: bool, start_params: Any) -> StepFunctions:
-  """The jitted functions of ``parts``' RL step."""
+  """The jitted functions of ``parts``' RL step (memoized on the parts: ``build.memoized``)."""
   run = parts.run
   # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
   sequence = dataclasses.replace(run, likelihood=dataclasses.replace(run.likelihood,
                                                                      normalize="sum"))
+  advance = build.memoized(("advance", parts.signature[0]), lambda: jax.jit(
+      lambda objective_state, inner: train_step.advance_objective_state(
+          objective_state, inner, run=run),
+      out_shardings=parts.state_shardings.objective_state))
   return StepFunctions(
       collect=collect, update=build.make_update(parts), estimate=scoring(parts, run),
       estimate_sequence=scoring(parts, sequence) if kl_to_start else None,
-      advance_objective_state=jax.jit(
-          lambda objective_state, inner: train_step.advance_objective_state(
-              objective_state, inner, run=run),
-          out_shardings=parts.state_shardings.objective_state),
-      adapters_off=jax.jit(lora_lib.adapters_off), start_params=start_params,
-      num_iterations=num_iterations)
+      advance_objective_state=advance, adapters_off=_adapters_off,
+      start_params=start_params, num_iterations=num_iterations)
+
+
+def abstract_programs(config: Any, devices=None) -> dict[str, tuple[Callable[..., Any],
+                                                                     tuple[Any, ...],
+                                                                     dict[str, Any]]]:
+  """Every jitted program of ``config``'s RL step but the sampler's (``tpu_compile``
+  compiles that one), as {name: (jitted function, abstract args, keywords)}: the update, and
+  the scoring passes the step runs before it: l_old ('score_old', the stress test's 'hard'
+  masks where it is on), l_ref ('score_ref') and kl_to_start's ('score_sequence'). Nothing is
+  allocated (``build.abstract_parts``); ``fn.lower(*args, **keywords).compile()`` each."""
+  parts, state, batch, key = build.abstract_parts(config, devices)
+  run = parts.run
+  programs = {"update": (build.make_update(parts), (state, batch, key), {})}
+  estimate = scoring(parts, run)
+  if run.needs_old:
+    programs["score_old"] = (estimate, (state.params, batch, key), {"stress_mode": "hard"})
+  if run.uses_reference:
+    programs["score_ref"] = (estimate, (state.params, batch, key), {})
+  if config.diagnostics.get("kl_to_start", False):
+    sequence = dataclasses.replace(run, likelihood=dataclasses.replace(run.likelihood,
+                                                                       normalize="sum"))
+    programs["score_sequence"] = (scoring(parts, sequence), (state.params, batch, key), {})
+  return programs
 
 
 def rl_step(parts: build.Parts, fns: StepFunctions, state: train_step.TrainState,
@@ -143,6 +168,9 @@ def rl_step(parts: build.Parts, fns: StepFunctions, state: train_step.TrainState
       objective_state=fns.advance_objective_state(state.objective_state, inner))
   return state, StepOutputs(rollouts=rollouts, inner=inner, num_scorings=num_scorings,
                             kl_start=kl_start)
+
+
+_adapters_off = jax.jit(lora_lib.adapters_off)
 
 
 @jax.jit

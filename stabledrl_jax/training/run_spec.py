@@ -1,12 +1,14 @@
 """The resolved specs of one RL run, derived from the config once and then passed whole:
 ``RunSpec``, what the update and the scoring take (``specs.resolve_run``); ``RolloutSpec``, what
-the rollouts and the held-out evaluation take (``specs.resolve_rollout``); ``Resolved``, the
-whole run's record (``specs.resolve``: every check, then the model config, both specs, the mesh
-shape and the optimizer's schedule), which the trainer, the planner and the compiles take.
+the rollouts and the held-out evaluation take (``specs.resolve_rollout``); ``LoopSpec``, the
+loop's counts and cadences; ``DataSpec``, the task and its reward; ``Resolved``, the whole run's
+record (``specs.resolve``: every check, then the model config, these specs, the collapse guard's
+settings, the optimizer and the mesh shape), which the trainer, the planner and the compiles
+take.
 
-Both are frozen and hashable (no arrays), so the jitted update compiles for their values; nothing
-downstream of them reads the config again. This module imports no config code: the update step
-and the rollout collector depend on it alone.
+All are frozen and hashable (no arrays), so the jitted update compiles for their values and is
+memoized on them; nothing downstream of them reads the config again. This module imports no
+config code: the update step and the rollout collector depend on it alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 import optax
 
 from stabledrl_jax import estimators, objectives
-from stabledrl_jax.training import decoding
+from stabledrl_jax.models import family as family_lib
+from stabledrl_jax.training import collapse, decoding, optimizer as optimizer_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,28 +114,122 @@ class RolloutSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopSpec:
+  """The training loop's counts and cadences (``train``, ``eval``, ``checkpoint``,
+  ``logging``, ``diagnostics`` and ``seed`` of the config).
+
+  Attributes:
+    num_steps: RL steps of the run.
+    num_iterations: optimizer updates per RL step (mu).
+    seed: the run's seed (the PRNG key, the data order, a fresh model's parameters).
+    eval_every_steps: held-out evaluation every N RL steps and at the end (0: never).
+    eval_batch_size: prompts per evaluation batch.
+    checkpoint_every_steps: a checkpoint every N RL steps and at the end.
+    checkpoint_every_seconds: also once this long has passed since the last one (0: off).
+    max_to_keep: checkpoints kept.
+    samples_every_steps: ``num_samples`` rollouts logged every N RL steps (0: never).
+    num_samples: rollouts logged each time.
+    max_consecutive_skips: non-finite updates in a row that stop the run.
+    kl_to_start: log kl_start/mean (two more scoring passes a step).
+    stop_grace_s: how long a SIGTERM waits for the step boundary (0: however long).
+    spike_factor, spike_window, spike_min_history: the spike recorder's rule.
+    peak_tflops_per_device: for perf/mfu (0: known device kinds).
+  """
+
+  num_steps: int
+  num_iterations: int
+  seed: int
+  eval_every_steps: int = 0
+  eval_batch_size: int = 64
+  checkpoint_every_steps: int = 100
+  checkpoint_every_seconds: float = 0.0
+  max_to_keep: int = 3
+  samples_every_steps: int = 0
+  num_samples: int = 0
+  max_consecutive_skips: int = 10
+  kl_to_start: bool = False
+  stop_grace_s: float = 60.0
+  spike_factor: float = 10.0
+  spike_window: int = 20
+  spike_min_history: int = 5
+  peak_tflops_per_device: float = 0.0
+
+  def eval_due(self, done: int) -> bool:
+    """Whether the loop evaluates after ``done`` RL steps."""
+    every = self.eval_every_steps
+    return bool(every) and (done % every == 0 or done == self.num_steps)
+
+  def samples_due(self, step: int) -> int:
+    """How many rollouts RL step ``step`` (0-based) logs on process 0."""
+    every = self.samples_every_steps
+    return self.num_samples if every and (step + 1) % every == 0 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """The task and its reward (``task`` of the config).
+
+  Attributes:
+    task: the registered task's name (``tasks.get_task``).
+    reward: the reward scheme (``tasks.REWARD_SCHEMES``).
+    reward_workers: processes scoring completions (0: in this process).
+    reward_timeout_s: seconds one completion's scoring may take (then reward 0).
+  """
+
+  task: str
+  reward: str
+  reward_workers: int = 0
+  reward_timeout_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Resolved:
   """One run's config resolved once (``specs.resolve``), every check passed.
 
   Attributes:
-    model: the model's config (its family's frozen dataclass; a checkpoint's once loaded).
+    model: the model's config (its family's frozen dataclass; a checkpoint's once loaded:
+      ``with_model``).
     run: what the update and the scoring take.
     rollout: what the rollouts and the held-out evaluation take.
+    loop: the loop's counts and cadences.
+    data: the task and its reward.
+    guard: the collapse guard's settings (``collapse.GuardSettings``).
+    family: the model family's name (``family_record``: its registration).
+    optimizer: the optimizer (``tx``) and its schedule, at the guard's learning-rate scale
+      (``with_lr_scale``).
     mesh_shape: ((axis, size), ...) of the mesh over the devices it was resolved for, -1 axes
       filled in (``mesh.mesh_shape``); None where no device count was given.
-    num_updates: optimizer updates of the run, train.num_steps x train.num_iterations, over
-      which ``schedule`` runs.
-    tx: the optimizer (``optimizer.make_optimizer``).
-    schedule: its learning rate per update.
   """
 
   model: Any
   run: RunSpec
   rollout: RolloutSpec
+  loop: LoopSpec
+  data: DataSpec
+  guard: collapse.GuardSettings
+  family: str
+  optimizer: optimizer_lib.OptimizerSpec
   mesh_shape: tuple[tuple[str, int], ...] | None
-  num_updates: int
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule
+
+  @property
+  def family_record(self) -> family_lib.Family:
+    """The model family's registration (``models.family``)."""
+    return family_lib.get(self.family)
+
+  @property
+  def num_updates(self) -> int:
+    """Optimizer updates of the run, loop.num_steps x loop.num_iterations."""
+    return self.optimizer.num_updates
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    """The optimizer (``optimizer.OptimizerSpec.tx``)."""
+    return self.optimizer.tx
+
+  @property
+  def schedule(self) -> optax.Schedule:
+    """Its learning rate per update."""
+    return self.optimizer.lr_schedule
 
   @property
   def data_ways(self) -> int | None:
@@ -141,3 +238,23 @@ class Resolved:
       return None
     sizes = dict(self.mesh_shape)
     return sizes["data"] * sizes["fsdp"]
+
+  def with_model(self, model: Any) -> Resolved:
+    """This run for the model config ``model`` (a loaded checkpoint's, or the fresh model's
+    with the tokenizer's vocabulary): the likelihood's mask id and block layout follow it.
+    ValueError if ``model`` is not of this run's family."""
+    family = family_lib.of(model)
+    if family.name != self.family:
+      raise ValueError(f"config.model.family: {self.family!r}, but the model is a "
+                       f"{family.name} model")
+    block_size = family.block_size(model)
+    likelihood = dataclasses.replace(
+        self.run.likelihood, mask_id=model.mask_token_id, block_size=block_size,
+        scored_suffix=self.run.gen_length if block_size is None else None)
+    return dataclasses.replace(self, model=model,
+                               run=dataclasses.replace(self.run, likelihood=likelihood))
+
+  def with_lr_scale(self, scale: float) -> Resolved:
+    """This run with the learning rate at ``scale`` x the configured one (the collapse guard's
+    restores): the same optimizer state layout."""
+    return dataclasses.replace(self, optimizer=self.optimizer.scaled(scale))

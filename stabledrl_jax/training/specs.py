@@ -719,18 +719,43 @@ def resolve_rollout(config: ml_collections.ConfigDict) -> run_spec.RolloutSpec:
       chunk_rows=decoding.chunk_rows_of(r), stress_fraction=float(config.estimator.stress.fraction))
 
 
+def resolve_loop(config: ml_collections.ConfigDict) -> run_spec.LoopSpec:
+  """The loop spec of a (validated) ``config``: its counts and cadences."""
+  t, lg, dg = config.train, config.logging, config.diagnostics
+  return run_spec.LoopSpec(
+      num_steps=t.num_steps, num_iterations=t.num_iterations, seed=config.seed,
+      eval_every_steps=config.eval.every_steps, eval_batch_size=config.eval.batch_size,
+      checkpoint_every_steps=config.checkpoint.every_steps,
+      checkpoint_every_seconds=float(config.checkpoint.every_seconds),
+      max_to_keep=config.checkpoint.max_to_keep,
+      samples_every_steps=lg.samples_every_steps, num_samples=lg.num_samples,
+      max_consecutive_skips=t.max_consecutive_skips,
+      kl_to_start=bool(dg.get("kl_to_start", False)), stop_grace_s=float(t.stop_grace_s),
+      spike_factor=float(dg.spike_factor), spike_window=dg.spike_window,
+      spike_min_history=dg.spike_min_history,
+      peak_tflops_per_device=float(lg.peak_tflops_per_device))
+
+
+def resolve_data(config: ml_collections.ConfigDict) -> run_spec.DataSpec:
+  """The data spec of a (validated) ``config``: the task and its reward."""
+  t = config.task
+  return run_spec.DataSpec(task=t.name, reward=t.reward, reward_workers=t.reward_workers,
+                           reward_timeout_s=float(t.reward_timeout_s))
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int | None = None, *,
             model: Any = None, check: bool = True) -> run_spec.Resolved:
   """``config`` resolved once: every check (``validate``: over a mesh of ``num_devices`` where
-  given), then the record the run is built from.
+  given), then the record the run is built from. After it nothing reads the config's values
+  (``Resolved.with_model`` and ``with_lr_scale`` derive the records of a loaded model and of the
+  collapse guard's restores).
 
   Args:
     config: the experiment config.
     num_devices: the devices the mesh spans (None: no mesh checks, no ``mesh_shape``).
     model: the model's config where it is known otherwise (a loaded checkpoint's); default
       ``model_config(config)``.
-    check: False where the caller validated this config already (the trainer checks before it
-      touches the workdir and resolves once the model is loaded).
+    check: False where the caller validated this config already.
 
   Raises:
     ValueError: naming the first bad field.
@@ -744,6 +769,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int | None = None, *
            tuple(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices))))
   return run_spec.Resolved(
       model=model, run=resolve_run(config, model), rollout=resolve_rollout(config),
-      mesh_shape=shape, num_updates=num_updates,
-      tx=optimizer_lib.make_optimizer(config.optimizer, num_updates),
-      schedule=optimizer_lib.learning_rate_schedule(config.optimizer, num_updates))
+      loop=resolve_loop(config), data=resolve_data(config),
+      guard=collapse.GuardSettings.of(config.train.get("collapse_guard")),
+      family=config.model.family,
+      optimizer=optimizer_lib.OptimizerSpec.of(config.optimizer, num_updates),
+      mesh_shape=shape)

@@ -14,32 +14,31 @@ import time
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 from etils import epath
 
 from stabledrl_jax import models, profiling
 from stabledrl_jax.training import build, data, multihost, rl_step as rl_step_lib
-from stabledrl_jax.training import rollout as rollout_lib, spikes, train_step
+from stabledrl_jax.training import rollout as rollout_lib, run_spec, spikes, train_step
 
 
 class StepLog:
   """The per-run constants of a step's metrics and the spike detector's history."""
 
-  def __init__(self, config: ml_collections.ConfigDict, parts: build.Parts,
+  def __init__(self, loop: run_spec.LoopSpec, parts: build.Parts,
                split: multihost.RowSplit, tokenizer: Any, workdir: epath.Path,
                term_names: Sequence[str]):
-    self.config, self.parts, self.split = config, parts, split
+    self.loop, self.parts, self.split = loop, parts, split
     self.tokenizer, self.workdir, self.term_names = tokenizer, workdir, list(term_names)
     self.primary = multihost.is_primary()
     self.num_params = models.count_params(parts.model_config)
     mesh = parts.mesh
-    peak = (config.logging.peak_tflops_per_device * 1e12
+    peak = (loop.peak_tflops_per_device * 1e12
             or profiling.peak_flops_per_device(mesh.devices.flat[0]))
     self.peak_flops = peak * mesh.devices.size if peak else None
-    dg = config.diagnostics
-    self.spikes = spikes.SpikeDetector(dg.spike_factor, dg.spike_window, dg.spike_min_history)
+    self.spikes = spikes.SpikeDetector(loop.spike_factor, loop.spike_window,
+                                       loop.spike_min_history)
 
   def metrics(self, step: int, out: rl_step_lib.StepOutputs, state: train_step.TrainState, *,
               start: float) -> dict[str, Any]:
@@ -78,15 +77,15 @@ class StepLog:
   def _step_metrics(self, step: int, rollouts: rollout_lib.Rollouts, num_scorings: int,
                     state: train_step.TrainState, *, elapsed: float) -> dict[str, float]:
     """The rollouts' statistics, the schedule, skips, time and throughput of step ``step``."""
-    r, train = self.parts.rollout, self.config.train
+    r, num_iterations = self.parts.rollout, self.loop.num_iterations
     num_rows = self.split.num_rows
     length = r.prompt_length + r.gen_length
     flops = profiling.rl_step_flops(
         self.num_params, rollout_positions=float(rollouts.stats.model_calls.sum()) * length,
         scored_positions=num_rows * self.parts.run.likelihood.num_samples * length,
-        num_updates=train.num_iterations,
+        num_updates=num_iterations,
         num_scorings=num_scorings)  # passes run, not reused
-    updates_done = (step + 1) * train.num_iterations
+    updates_done = (step + 1) * num_iterations
     return {
         **rollouts.stats.metrics(self.term_names, r.group_size),
         "learning_rate": float(self.parts.schedule(updates_done - 1)),
@@ -112,7 +111,7 @@ class StepLog:
     all_tokens = gathered[:, :tokens.shape[1]].astype(np.int64)
     path = spikes.write_spike(self.workdir, step, {
         "step": step, "reason": reason, "median": median,
-        "factor": self.config.diagnostics.spike_factor,
+        "factor": self.loop.spike_factor,
         "grad_norm": np.asarray([float(m["grad_norm"]) for m in inner]),
         "prompts": np.asarray(data.decode_completions(self.tokenizer,
                                                       all_tokens[:, :prompt_length])),

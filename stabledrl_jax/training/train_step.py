@@ -177,7 +177,18 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
     (new state, metrics): scalars, and ``per_sample/<name>`` [N] arrays in the batch's order
     (log ratios, weights: what the spike recorder keeps).
   """
+  grads, metrics = _gradients(state, batch, key, graphdef=graphdef, run=run,
+                              microbatch_sharding=microbatch_sharding)
+  return _apply_update(state, grads, metrics, tx=tx, run=run)
 
+
+def _gradients(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, graphdef: Any,
+               run: run_spec.RunSpec,
+               microbatch_sharding: jax.sharding.NamedSharding | None
+               ) -> tuple[Any, dict[str, Array]]:
+  """The mean gradient of the objective over the batch's microbatches (of the trained
+  parameters: all, or the LoRA adapters), and the update's metrics before the optimizer (with
+  ``run.gradient_bound``, the convex-hull bound)."""
   spec, num_microbatches, group_size = run.likelihood, run.num_microbatches, run.group_size
   # The gradient is of the trained parameters (all, or the LoRA adapters); a frozen base is
   # closed over, never differentiated (no weight gradient is computed for it).
@@ -233,7 +244,17 @@ def update_step(state: TrainState, batch: rl_loss.RolloutBatch, key: Array, *, g
                   for name, value in stacked.items() if name.startswith(PER_SAMPLE)})
   if "log_ratio/max" in metrics:
     metrics["log10_ratio/max"] = metrics["log_ratio/max"] / math.log(10.0)
+  return grads, metrics
 
+
+def _apply_update(state: TrainState, grads: Any, metrics: dict[str, Array], *,
+                  tx: optax.GradientTransformation, run: run_spec.RunSpec
+                  ) -> tuple[TrainState, dict[str, Array]]:
+  """The optimizer's update of the trained parameters by ``grads``, kept only if everything
+  it produces is finite (else the state stays, and the skip is counted); ``metrics`` gain the
+  gradient and update norms and whether it was skipped."""
+  split = lora_lib.split if run.lora else lambda params: (params, None)
+  join = lora_lib.join if run.lora else lambda trained_params, frozen: trained_params
   grad_norm = optax.tree.norm(grads)
   if run.gradient_bound:  # The mean of the microbatch gradients is bounded by their largest.
     bound = metrics["grad_bound/max"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from stabledrl_jax.models import hf_io
+from stabledrl_jax.models import hf_io, qwen
 from stabledrl_jax.models.dream.config import DreamConfig
 
 MODEL_TYPE = "Dream"  # config.json's model_type (capitalized, as released)
@@ -47,7 +47,7 @@ def param_names(config: DreamConfig, *, tied: bool = False
   tied: the checkpoint ties the output head to the embedding (lm_head reads
   model.embed_tokens.weight).
   """
-  return hf_io.qwen_param_names(config.num_hidden_layers, tied=tied, attention_bias=True,
+  return qwen.param_names(config.num_hidden_layers, tied=tied, attention_bias=True,
                                 qk_norm=False)
 
 
@@ -55,7 +55,7 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> DreamConfig:
   """DreamConfig from a Dream config.json dict; ``overrides`` set DreamConfig fields (dtypes...)."""
   if hf.get("sliding_window") and hf.get("use_sliding_window"):
     raise NotImplementedError("config.json: sliding-window attention is not supported")
-  fields = hf_io.qwen_fields(hf, _FIXED_KEYS, required=())
+  fields = qwen.config_fields(hf, _FIXED_KEYS, required=())
   if hf.get("eos_token_id") is not None:
     fields["eos_token_id"] = hf_io.first_id(hf["eos_token_id"])
   if hf.get("max_position_embeddings") is not None:

@@ -22,7 +22,6 @@ without one, 0..L-1.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import chex
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.models import layers
+from stabledrl_jax.models import layers, qwen
 from stabledrl_jax.models import scan as scan_lib
 from stabledrl_jax.models.dream.config import DreamConfig
 from stabledrl_jax.models.sharding import constrain
@@ -132,18 +131,11 @@ class Attention(nnx.Module):
     return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(qwen.QwenLayer):
   """Pre-norm residual layer: attention then SwiGLU MLP."""
 
   def __init__(self, config: DreamConfig, layer_index: int, *, rngs: nnx.Rngs):
-    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
-    d = config.hidden_size
-    depth_scale = 1.0 / math.sqrt(2.0 * (layer_index + 1))
-    self.input_layernorm = layers.RMSNorm(d, eps=config.rms_norm_eps, **kw)
-    self.self_attn = Attention(config, out_std=d**-0.5 * depth_scale, rngs=rngs)
-    self.post_attention_layernorm = layers.RMSNorm(d, eps=config.rms_norm_eps, **kw)
-    self.mlp = layers.MLP(d, config.intermediate_size,
-                          out_std=config.intermediate_size**-0.5 * depth_scale, rngs=rngs, **kw)
+    super().__init__(config, layer_index, Attention, rngs=rngs)
 
   def __call__(self, x: Array, cos: Array, sin: Array, key_mask: Array | None,
                span: tuple[Array | int, int] | None = None) -> Array:
@@ -152,24 +144,15 @@ class DecoderLayer(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Dream(nnx.Module):
-  """The Dream masked diffusion transformer.
+class Dream(qwen.QwenModel):
+  """The Dream masked diffusion transformer (``qwen.QwenModel``'s parameters).
 
   Args:
     config: shapes, special tokens and dtypes.
     rngs: parameter initialization keys (`nnx.Rngs(seed)`).
   """
 
-  def __init__(self, config: DreamConfig, *, rngs: nnx.Rngs):
-    self.config = config
-    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
-    d = config.hidden_size
-    self.embed_tokens = layers.Embed(config.vocab_size, d, std=d**-0.5, rngs=rngs, **kw)
-    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs)
-                            for i in range(config.num_hidden_layers)])
-    self.norm = layers.RMSNorm(d, eps=config.rms_norm_eps, **kw)
-    self.lm_head = layers.Linear(d, config.vocab_size, axes=(layers.AX_EMBED, layers.AX_VOCAB),
-                                 std=d**-0.5, rngs=rngs, **kw)
+  layer_cls = DecoderLayer
 
   def encode(self, tokens: Array, attention_mask: Array | None = None, *,
              span: tuple[Array | int, int] | None = None) -> Array:

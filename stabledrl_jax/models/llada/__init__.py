@@ -103,7 +103,8 @@ FAMILY = family.register(family.Family(
     checkpoint=family.Checkpoint(
         model_type="llada", config_from_hf=checkpoint.config_from_hf,
         config_to_hf=checkpoint.config_to_hf,
-        param_names=lambda config, hf: checkpoint.param_names(config)),
+        param_names=lambda config, hf: checkpoint.param_names(config),
+        untyped=True),  # Its releases' config.json has no model_type.
     tokenizer=tokenizers.HFTokenizer.llada,
     likelihood=estimators.FULL_ATTENTION, likelihood_fn=likelihood_fn, sampling=sampling,
     generate=generate, remasking=sampler.REMASKING, check_rollout=check_rollout,

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from stabledrl_jax.models import hf_io
+from stabledrl_jax.models import hf_io, qwen
 from stabledrl_jax.models.sdar.config import SDARConfig
 
 # SDAR: config.json keys that select Qwen3 variants this model does not implement, with the only
@@ -44,7 +44,7 @@ def param_names(config: SDARConfig, *, tied: bool = False
   tied: the checkpoint ties the output head to the embedding (lm_head reads
   model.embed_tokens.weight).
   """
-  return hf_io.qwen_param_names(config.num_hidden_layers, tied=tied, attention_bias=False,
+  return qwen.param_names(config.num_hidden_layers, tied=tied, attention_bias=False,
                                 qk_norm=True)
 
 
@@ -53,7 +53,7 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> SDARConfig:
   if hf.get("num_experts") or hf.get("num_local_experts"):
     raise NotImplementedError("config.json describes a mixture-of-experts model; only dense SDAR "
                               "is implemented")
-  fields = hf_io.qwen_fields(hf, _FIXED_KEYS, required=("block_size",))
+  fields = qwen.config_fields(hf, _FIXED_KEYS, required=("block_size",))
   fields.update(head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
                 block_size=hf["block_size"])
   if hf.get("eos_token_id") is not None:

@@ -34,7 +34,6 @@ logical axis names from `sharding.py`, as in LLaDA.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import chex
@@ -44,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax.models import layers
+from stabledrl_jax.models import layers, qwen
 from stabledrl_jax.models import scan as scan_lib
 from stabledrl_jax.models.sdar import staircase as staircase_lib
 from stabledrl_jax.models.sdar.config import SDARConfig
@@ -232,20 +231,11 @@ class Attention(nnx.Module):
     return self.o_proj(out.reshape(b, q_len, self.n_heads * self.head_dim)), (k, v)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(qwen.QwenLayer):
   """Pre-norm residual layer: attention then SwiGLU MLP."""
 
   def __init__(self, config: SDARConfig, layer_index: int, *, rngs: nnx.Rngs):
-    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
-    # Random init (tests, benchmarks): std 1/sqrt(fan_in), output projections also / sqrt(2(i+1)).
-    depth_scale = 1.0 / math.sqrt(2.0 * (layer_index + 1))
-    q_width = config.num_attention_heads * config.head_dim
-    self.input_layernorm = layers.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
-    self.self_attn = Attention(config, out_std=q_width**-0.5 * depth_scale, rngs=rngs)
-    self.post_attention_layernorm = layers.RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
-                                                   **kw)
-    self.mlp = layers.MLP(config.hidden_size, config.intermediate_size,
-                          out_std=config.intermediate_size**-0.5 * depth_scale, rngs=rngs, **kw)
+    super().__init__(config, layer_index, Attention, rngs=rngs)
 
   def __call__(self, x: Array, cos: Array, sin: Array, kernel: Any, aux: Any,
                span: tuple[Array | int, int] | None = None) -> tuple[Array, tuple[Array, Array]]:
@@ -283,24 +273,15 @@ class KVCache:
   length: Array
 
 
-class SDAR(nnx.Module):
-  """The SDAR block diffusion transformer.
+class SDAR(qwen.QwenModel):
+  """The SDAR block diffusion transformer (``qwen.QwenModel``'s parameters).
 
   Args:
     config: shapes, special tokens, block size and dtypes.
     rngs: parameter initialization keys (`nnx.Rngs(seed)`).
   """
 
-  def __init__(self, config: SDARConfig, *, rngs: nnx.Rngs):
-    self.config = config
-    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
-    d = config.hidden_size
-    self.embed_tokens = layers.Embed(config.vocab_size, d, std=d**-0.5, rngs=rngs, **kw)
-    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs)
-                            for i in range(config.num_hidden_layers)])
-    self.norm = layers.RMSNorm(d, eps=config.rms_norm_eps, **kw)
-    self.lm_head = layers.Linear(d, config.vocab_size, axes=(layers.AX_EMBED, layers.AX_VOCAB),
-                                 std=d**-0.5, rngs=rngs, **kw)
+  layer_cls = DecoderLayer
 
   # -- the layer stack ------------------------------------------------------
 
