@@ -633,3 +633,19 @@ def test_cache_accuracy_evaluates_a_workdir_as_the_trainer_did(tmp_path, sft_sta
   assert exact["reward_mean"] == pytest.approx(last["eval/reward_mean"])
   assert exact["model_calls"] == pytest.approx(last["eval/model_calls"])
   assert [r["cache"] for r in rows[:3]] == ["none", "prefix", "dual"]
+
+
+def test_the_loop_reads_the_record_not_the_config(tmp_path):
+  """experiments/config_reads.py: after ``specs.resolve`` the config is read only where the run
+  is built from its sources (the model, the supervised start, the tokenizer, the data, the
+  checkpoints' meta); the loop, the step, the rollouts and the guard read the record alone."""
+  study = _load_experiment("config_reads")
+  config = study._tiny_config()  # pylint: disable=protected-access
+  config.train.collapse_guard.update(enabled=True, action="stop")
+  counts = study.count_reads(config, str(tmp_path / "run"))
+  after = {module for phase, module in counts if phase == "after"}
+  assert after, counts  # The build's sources are read (the model, the data).
+  loop = {f"stabledrl_jax.training.{m}" for m in (
+      "trainer", "rl_step", "rollout", "step_metrics", "train_step", "rl_loss", "collapse",
+      "decoding", "metrics_writer", "spikes", "preemption")}
+  assert not after & loop, sorted(after & loop)

@@ -781,7 +781,8 @@ def test_a_kill_after_a_restore_resumes_the_restored_run_exactly(tmp_path):
     # The latest checkpoint is the restored state, the restore and its scale in its meta.
     resumed = trainer.Trainer(config, str(workdir))
     try:
-      assert resumed.guard.lr_scale in (0.5, 0.25) and resumed.guard.events[0]["action"] == "restore"
+      assert resumed.guard.lr_scale in (0.5, 0.25)
+      assert resumed.guard.events[0]["action"] == "restore"
       assert resumed.start_step <= 1
     finally:
       resumed.close()

@@ -46,10 +46,12 @@ class Inputs:
   eval_prompts: data.PromptSet
 
 
-def read_inputs(config: ml_collections.ConfigDict, resolved: run_spec.Resolved) -> Inputs:
-  """The run's inputs; a model checkpoint's config files are checked against the config
-  (``build.check_checkpoint``). Raises ValueError naming the field at fault."""
-  tokenizer = data.make_tokenizer(config.tokenizer)
+def read_inputs(config: ml_collections.ConfigDict, resolved: run_spec.Resolved,
+                tokenizer: Any = None) -> Inputs:
+  """The run's inputs (``tokenizer``: ``config.tokenizer``'s, if made already); a model
+  checkpoint's config files are checked against the config (``build.check_checkpoint``).
+  Raises ValueError naming the field at fault."""
+  tokenizer = data.make_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
   task = tasks.get_task(resolved.data.task)
   spec = resolved.rollout
   train = data.fitting_examples(spec, tokenizer, task, data.make_examples(config, "train"),
@@ -122,7 +124,7 @@ def build_run(config: ml_collections.ConfigDict, resolved: run_spec.Resolved, in
   on_part(scorer, None)
   promote_restore(workdir, checkpointer)  # A guard's restore that a kill interrupted.
   latest = checkpointer.latest_step()
-  model = _start_model(config, inputs, workdir, mesh, fresh=latest is None, stop=stop,
+  model = _start_model(config, resolved, inputs, workdir, mesh, fresh=latest is None, stop=stop,
                        log_sft=log_sft)
   graphdef, params = nnx.split(build.with_lora(config, model, mesh), nnx.Param)
   resolved = resolved.with_model(model.config)
@@ -177,8 +179,8 @@ def build_run(config: ml_collections.ConfigDict, resolved: run_spec.Resolved, in
   return run
 
 
-def _start_model(config: ml_collections.ConfigDict, inputs: Inputs, workdir: epath.Path,
-                 mesh: Any, *, fresh: bool, stop: Callable[[int], bool],
+def _start_model(config: ml_collections.ConfigDict, resolved: run_spec.Resolved, inputs: Inputs,
+                 workdir: epath.Path, mesh: Any, *, fresh: bool, stop: Callable[[int], bool],
                  log_sft: Callable[[int, dict[str, Any]], None]) -> nnx.Module:
   """The model RL starts from: ``model.checkpoint``, else the supervised start (fitted on a
   fresh run; on a resumed one read back where the run needs it: the checkpoint holds the
@@ -188,7 +190,8 @@ def _start_model(config: ml_collections.ConfigDict, inputs: Inputs, workdir: epa
   if config.sft.num_steps and not config.model.checkpoint:
     if fresh:
       return supervised.supervised_start(config, workdir, model, inputs.tokenizer, inputs.task,
-                                         inputs.train_examples, mesh, log_sft, stop=stop)
+                                         inputs.train_examples, mesh, log_sft, stop=stop,
+                                         rollout=resolved.rollout)
     if supervised.needs_start(config):
       return supervised.resumed_start(config, workdir, mesh)
   return model

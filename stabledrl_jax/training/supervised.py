@@ -123,7 +123,7 @@ class Stopped(Exception):
 
 def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.PathLike,
                      model: nnx.Module, tokenizer, task: tasks.Task, train_examples, mesh,
-                     log, stop=None) -> nnx.Module:
+                     log, stop=None, rollout: Any = None) -> nnx.Module:
   """Fits the model on the task's reference answers once; later runs load ``<workdir>/sft_model``.
 
   Every process fits on the same batches (each device gets its rows); process 0 writes the
@@ -133,6 +133,8 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
   SIGTERM or SIGINT), the parameters, the optimizer state, the step and the batch generator's
   state are saved in ``<workdir>/sft_progress`` and ``Stopped`` is raised. The next run
   continues from there: its start is the uninterrupted fit's (docs/reliability.md).
+  ``rollout``: the run's resolved rollout spec (``specs.resolve_rollout``'s, made if None), whose
+  prompt layout and generation length the fit's rows take.
   """
   path = epath.Path(workdir) / SFT_DIR
   progress_dir = epath.Path(workdir) / SFT_PROGRESS_DIR
@@ -140,17 +142,18 @@ def supervised_start(config: ml_collections.ConfigDict, workdir: str | epath.Pat
     if multihost.is_primary() and progress_dir.exists():  # A stop after the fit was written.
       workdir_files.remove(progress_dir)  # Never opened: a FIFO would block.
     return build.load_pretrained(path, mesh, config)
-  rollout = config.rollout
+  rollout = specs.resolve_rollout(config) if rollout is None else rollout
   rng = np.random.default_rng(config.seed)
+  batch_size, error_rate = config.sft.batch_size, config.sft.demo_error_rate
+  error_cells = config.sft.demo_error_cells
 
   def sample_batch(step):
     del step  # The generator state advances deterministically with each call.
-    indices = rng.integers(len(train_examples), size=config.sft.batch_size)
+    indices = rng.integers(len(train_examples), size=batch_size)
     examples = [train_examples[int(i)] for i in indices]
-    prompts = data.encode_examples(specs.resolve_rollout(config), tokenizer, task, examples)
+    prompts = data.encode_examples(rollout, tokenizer, task, examples)
     targets = [data.answer_text(ex, data.noisy_demonstration(
-        task, ex, rng, error_rate=config.sft.demo_error_rate,
-        error_cells=config.sft.demo_error_cells)) for ex in examples]
+        task, ex, rng, error_rate=error_rate, error_cells=error_cells)) for ex in examples]
     completions = data.encode_completions(tokenizer, targets, rollout.gen_length)
     tokens = np.concatenate([prompts.tokens, completions], axis=1)
     prompt_mask = np.concatenate([prompts.mask, np.zeros_like(completions, bool)], axis=1)

@@ -27,7 +27,7 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import path_args
-from stabledrl_jax.training import build, checkpointing, collapse, decoding, lora_base
+from stabledrl_jax.training import build, checkpointing, collapse, data, decoding, lora_base
 from stabledrl_jax.training import mesh as mesh_lib, multihost, preemption
 from stabledrl_jax.training import rl_step as rl_step_lib, run_build, specs, supervised
 
@@ -48,24 +48,25 @@ class Trainer:
 
     Everything that can be checked without the workdir is checked before anything is created
     in it (docs/reliability.md): the workdir's name, the config (``specs.validate``), and the
-    inputs (a checkpoint's config files, ``run_build.read_inputs``). A start that fails later removes the directories it
-    created while they are empty (``path_args.remove_debris``): never anything that existed
-    before it."""
+    inputs (the tokenizer, a checkpoint's config files, ``run_build.read_inputs``). A start
+    that fails later removes the directories it created while they are empty
+    (``path_args.remove_debris``): never anything that existed before it."""
     path_args.check(workdir, "workdir")
     specs.validate(config, num_devices=jax.device_count())
+    if config.train.compilation_cache_dir:  # Before anything compiles.
+      jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
+    self.mesh = mesh_lib.make_mesh(config.mesh)
+    tokenizer = data.make_tokenizer(config.tokenizer)  # Its files first, then the model's.
     # A checkpoint's model is known from its config files until it is loaded (``with_model``).
     checkpoint = build.checkpoint_config(config)
     if checkpoint is not None:
       specs.validate_model(config, checkpoint, config.model.checkpoint)
     self.resolved = specs.resolve(config, jax.device_count(), check=False, model=checkpoint)
-    if config.train.compilation_cache_dir:  # Before anything compiles.
-      jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
     self.config, self.loop = config, self.resolved.loop
     self.workdir = checkpointing.resolve_workdir(workdir)
     self.primary = multihost.is_primary()
     self.lock, self.stopped, self._closing = None, "", []
-    self.mesh = mesh_lib.make_mesh(config.mesh)
-    inputs = run_build.read_inputs(config, self.resolved)
+    inputs = run_build.read_inputs(config, self.resolved, tokenizer)
     self.tokenizer, self.task = inputs.tokenizer, inputs.task
     self.eval_prompts = inputs.eval_prompts
     created = path_args.missing_dirs(self.workdir) if self.primary else []
