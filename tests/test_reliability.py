@@ -703,7 +703,7 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
   try:
     assert resumed.start_step == 2 and resumed.guard.lr_scale == 0.5
     assert [e["action"] for e in resumed.guard.events] == ["restore", "stop", "go_on"]
-    assert float(resumed.parts.schedule(0)) == pytest.approx(
+    assert float(resumed.parts.optimizer.lr_schedule(0)) == pytest.approx(
         0.5 * float(more.optimizer.learning_rate))
     assert resumed.guard.trajectory.records() == []  # The rules judge the run from step 2 on.
   finally:

@@ -16,7 +16,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 from etils import epath
 from flax import nnx
 
@@ -214,7 +213,7 @@ class Parts:
     graphdef: the model's graph (``nnx.split``); its parameters live in the state.
     run: the resolved run (``Resolved.run``): objective, likelihood, microbatches, LoRA.
     rollout: the resolved rollouts (``Resolved.rollout``): batch, prompts, sampler, eval.
-    optimizer: the optimizer's spec (``tx``, ``schedule``: its learning rate per update).
+    optimizer: the optimizer's spec (``tx``, ``lr_schedule``: its learning rate per update).
     state_shardings: the ``TrainState``'s shardings.
     batch_sharding: rows split over the mesh's data axes (rank-1 spec: any rank).
     replicated: a sharding that every device holds whole.
@@ -234,18 +233,6 @@ class Parts:
   batch_sharding: jax.sharding.NamedSharding
   replicated: jax.sharding.NamedSharding
   signature: Any
-
-  @property
-  def tx(self) -> optax.GradientTransformation:
-    return self.optimizer.tx
-
-  @property
-  def schedule(self) -> optax.Schedule:
-    return self.optimizer.lr_schedule
-
-  @property
-  def num_updates(self) -> int:
-    return self.optimizer.num_updates
 
   def with_lr_scale(self, scale: float) -> Parts:
     """The same parts with the learning rate at ``scale`` x the configured one (the same
@@ -299,7 +286,7 @@ def initial_state(parts_: Parts, params: Any, seed: int) -> train_step.TrainStat
   """A fresh ``TrainState`` of ``params``, placed by ``parts_.state_shardings``."""
   run = parts_.run
   create = memoized(("initial_state", parts_.signature, seed), lambda: jax.jit(
-      lambda p: train_step.create_train_state(p, parts_.tx, seed, run.initial_state(),
+      lambda p: train_step.create_train_state(p, parts_.optimizer.tx, seed, run.initial_state(),
                                               lora=run.lora),
       out_shardings=parts_.state_shardings))
   return create(params)
@@ -309,7 +296,7 @@ def make_update(parts_: Parts):
   """The jitted update of the run (``train_step.make_update_fn``), state donated and pinned;
   memoized on the parts' signature."""
   return memoized(("update", parts_.signature), lambda: train_step.make_update_fn(
-      parts_.graphdef, parts_.tx, state_shardings=parts_.state_shardings,
+      parts_.graphdef, parts_.optimizer.tx, state_shardings=parts_.state_shardings,
       batch_shardings=parts_.batch_sharding, replicated=parts_.replicated, run=parts_.run))
 
 
@@ -344,7 +331,7 @@ def abstract_parts(config: ml_collections.ConfigDict, devices=None
   state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda p: train_step.create_train_state(
-          p, built.tx, config.seed, built.run.initial_state(), lora=built.run.lora), params),
+          p, built.optimizer.tx, config.seed, built.run.initial_state(), lora=built.run.lora), params),
       built.state_shardings)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=built.replicated)

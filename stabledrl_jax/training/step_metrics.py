@@ -88,7 +88,7 @@ class StepLog:
     updates_done = (step + 1) * num_iterations
     return {
         **rollouts.stats.metrics(self.term_names, r.group_size),
-        "learning_rate": float(self.parts.schedule(updates_done - 1)),
+        "learning_rate": float(self.parts.optimizer.lr_schedule(updates_done - 1)),
         "skipped_steps": int(state.skipped_steps),
         "time/step_s": elapsed, "time/rollout_s": rollouts.seconds,
         "throughput/tokens_per_s": num_rows * r.gen_length / elapsed,
