@@ -242,10 +242,12 @@ class Decision:
     save_best: the step's state is the best eval so far: save it as the best checkpoint.
     event: the collapse acted on ({"step", "why", "detected_at", "action"}; a restore's also
       "restored_step", "restored_eval" and "lr_scale"), else None: train on.
+    lr_scale: the learning-rate scale after the decision.
   """
 
   save_best: bool = False
   event: Mapping[str, Any] | None = None
+  lr_scale: float = 1.0
 
   @property
   def action(self) -> str:
@@ -264,9 +266,7 @@ class Decision:
       return {}
     restored = self.event.get("restored_step")
     return {GUARD_PREFIX + "restored_to": -1 if restored is None else restored,
-            GUARD_PREFIX + "lr_scale": self.event.get("lr_scale", self._scale)}
-
-  _scale: float = 1.0  # The scale a stop leaves (a restore's event holds its own).
+            GUARD_PREFIX + "lr_scale": self.lr_scale}
 
 
 class Guard:
@@ -342,7 +342,7 @@ class Guard:
     save_best = self._track(done, record, healthy)
     event = first_collapse(self.trajectory.records(), self.settings.rules)
     if event is None:
-      return Decision(save_best=save_best)
+      return Decision(save_best=save_best, lr_scale=self.lr_scale)
     best_step = None if self.best is None else self.best[0]
     restore = (self.settings.action == "restore"
                and restores_since_go_on(self.events) < self.settings.max_restores
@@ -353,7 +353,7 @@ class Guard:
       self.trajectory.truncate(best_step)
       event.update(restored_step=best_step, restored_eval=self.best[1], lr_scale=self.lr_scale)
     self.events.append(event)
-    return Decision(save_best=save_best, event=event, _scale=self.lr_scale)
+    return Decision(save_best=save_best, event=event, lr_scale=self.lr_scale)
 
   def dump(self) -> str:
     """The ``EVENTS_FILE`` text."""
