@@ -39,7 +39,7 @@ setuptools.setup(
         "tqdm>=4.66",
         "tensorboardX>=2.6",
         "math-verify>=0.7",
-        "etils[epath]>=1.7",  # workdir paths, local or gs:// (training/checkpointing.py)
+        "etils[epath]>=1.7",  # workdir paths, local or gs:// (training/state/checkpointing.py)
         # Checkpoints and tokenizers by Hub id (models/hub.py): cached, honours HF_HUB_OFFLINE.
         "huggingface_hub>=0.24",
         # A LoRA run's frozen base stored in int8 or 4-bit (models/layers.QuantizedKernel): qwix's

@@ -10,7 +10,7 @@ eval every 20). ``experiments/compare_objectives.py`` sets the objective and its
 
 import pathlib
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

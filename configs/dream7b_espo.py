@@ -15,7 +15,7 @@ ELBO with one sample and no complementary pass (num_mc 1, reduce_var false), on 
 logits (espo_trainer.py:363-372).
 """
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config(task: str = "countdown"):  # run_demo_dream.sh:1

@@ -8,7 +8,7 @@ The task after the colon: gsm8k (the default), math500, countdown or sudoku. --c
 trains every parameter instead; docs/training.md, "LoRA", says what runs on which hardware.
 """
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config(task: str = "gsm8k"):

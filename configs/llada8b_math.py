@@ -6,7 +6,7 @@ The model and tokenizer come from the Hub by id (config_lib); pass a local direc
 --config.model.checkpoint=DIR --config.tokenizer.path=DIR to use one.
 """
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

@@ -9,7 +9,7 @@ so that LLaDA-8B trains where full-parameter training does not fit (docs/trainin
 The task after the colon: gsm8k (the default), math500, countdown or sudoku.
 """
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config(task: str = "gsm8k"):

@@ -14,7 +14,7 @@ The completion is one short block (the 16-digit grid in <answer> tags), so the l
 random masks over the whole completion ('elbo') rather than the paper's 32-token blocks.
 """
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

@@ -12,7 +12,7 @@ measures both). ``python -m stabledrl_jax.export`` then writes a PEFT adapter on
 
 import pathlib
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

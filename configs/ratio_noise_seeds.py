@@ -12,7 +12,7 @@ and a checkpoint every 10.
 
 import pathlib
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

@@ -11,7 +11,7 @@ official loss and estimator, the mask coupling, mu (``train.num_iterations``) an
 
 import pathlib
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

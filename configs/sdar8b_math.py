@@ -9,7 +9,7 @@ Rollouts decode 4-token blocks with a KV cache; likelihoods are block ELBOs, eve
 scored in one staircase pass (docs/block_diffusion.md).
 """
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

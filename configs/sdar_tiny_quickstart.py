@@ -15,7 +15,7 @@ import pathlib
 
 import ml_collections
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

@@ -18,7 +18,7 @@ before the first step and after the last resolves gains that the batches' reward
 
 import pathlib
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 
 def get_config():

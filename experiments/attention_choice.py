@@ -25,7 +25,7 @@ import json
 import time
 
 from stabledrl_jax import profiling, tpu_compile
-from stabledrl_jax.training import config_lib, specs
+from stabledrl_jax.training.config import config_lib, specs
 
 KERNELS = ("xla", "splash", "auto")
 # Programs per family: the train step and the sampler of each cache (SDAR's always caches).

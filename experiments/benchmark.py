@@ -69,9 +69,10 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import models, profiling
-from stabledrl_jax.models.llada import sampler as llada_sampler
-from stabledrl_jax.models.llada import flops as flops_lib
-from stabledrl_jax.training import build, config_lib, mesh as mesh_lib, rl_loss, specs
+from stabledrl_jax.models.llada import flops as flops_lib, sampler as llada_sampler
+from stabledrl_jax.training.config import config_lib, specs
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.step import build, rl_loss
 
 
 @dataclasses.dataclass

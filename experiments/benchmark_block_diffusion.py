@@ -39,8 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax import block_estimators as be
-from stabledrl_jax import estimators, models, profiling
+from stabledrl_jax import block_estimators as be, estimators, models, profiling
 from stabledrl_jax.models.sdar.sampler import generate
 
 

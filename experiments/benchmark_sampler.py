@@ -207,7 +207,10 @@ def workdir_model_and_prompts(source, args, parser):
   """The model of ``source`` (a resolved workdir checkpoint) and its first ``--batch`` held-out
   prompts."""
   from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.inputs import data
+  from stabledrl_jax.training.parallel import mesh as mesh_lib
+  from stabledrl_jax.training.state import checkpoint_source
 
   config = source.config
   model = checkpoint_source.load_model(source, mesh=mesh_lib.make_mesh(config.mesh),
@@ -242,7 +245,8 @@ def main():
     parser.error("--workdir goes with --mode caches")
   source = None
   if args.workdir:
-    from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+    from stabledrl_jax.training.state import (  # pylint: disable=g-import-not-at-top
+        checkpoint_source)
     source = checkpoint_source.resolve(args.workdir)
   for name, default in SHAPE_DEFAULTS.items():
     if getattr(args, name) is None:

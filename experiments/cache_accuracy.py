@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from stabledrl_jax.training import checkpoint_source, decoding, mesh as mesh_lib, run_build
-from stabledrl_jax.training import specs
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.loop import run_build
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.state import checkpoint_source
+from stabledrl_jax.training.step import decoding
 
 _BLOCK_LENGTHS = flags.DEFINE_list("block_lengths", ["40", "8"], "Block lengths to decode with.")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "tau of the threshold rows.")

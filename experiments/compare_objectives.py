@@ -71,7 +71,7 @@ def rows(completion_length: int) -> dict[str, tuple[dict, str]]:
   StableDRL's with one ``block_random`` block over the whole completion, and again as published
   (``<name>_official``).
   """
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
   out = {}
   for name, overrides in sweep.objective_variants().items():
     objective = overrides["objective.name"]
@@ -93,7 +93,7 @@ def rows(completion_length: int) -> dict[str, tuple[dict, str]]:
 
 def official_rows() -> dict[str, tuple[dict, str]]:
   """Every objective variant with its official loss and estimator, as published."""
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
   return {name: (overrides, "official") for name, overrides in
           sweep.objective_variants().items()}
 
@@ -114,7 +114,7 @@ def paired(diffs: list[float]) -> dict:
 def run_summary(result) -> dict:
   """Per-seed curves of one run."""
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
+  from stabledrl_jax.training.loop.sweep import REWARD_METRIC, metric
   evals = {h["step"]: metric(h, "eval/accuracy") for h in result.history if "eval/accuracy" in h}
   steps = [h for h in result.history if "rewards/mean" in h]
   times = [metric(h, "time/step_s") for h in steps[1:]] or [float("nan")]
@@ -235,7 +235,7 @@ def main(argv) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
   known = official_rows() if _OFFICIAL.value else rows(base.rollout.gen_length)

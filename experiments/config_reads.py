@@ -1,5 +1,5 @@
 r"""Where a training run reads its config: every read of a config field, by the module that
-reads it, while ``Trainer`` builds and runs a tiny run (docs/training.md, "One record").
+reads it, while ``Trainer`` builds and runs a tiny run (docs/training.md, the run_spec row).
 
   python experiments/config_reads.py [--workdir DIR]
 
@@ -21,7 +21,8 @@ import tempfile
 from absl import app, flags
 import ml_collections
 
-from stabledrl_jax.training import config_lib, specs, trainer
+from stabledrl_jax.training.config import config_lib, specs
+from stabledrl_jax.training.loop import trainer
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the tiny run trains (default: a temp dir).")
 

@@ -103,9 +103,8 @@ import benchmark
 import benchmark_sampler
 import gpu_check_peers
 from stabledrl_jax import models, profiling
+from stabledrl_jax.models.llada import flops as flops_lib, sampler as llada_sampler
 from stabledrl_jax.plan import report as plan_report
-from stabledrl_jax.models.llada import sampler as llada_sampler
-from stabledrl_jax.models.llada import flops as flops_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -79,7 +79,7 @@ def main():
   from stabledrl_jax import plan  # pylint: disable=g-import-not-at-top
   plan.prepare_cpu_devices(max(math.prod(m.values()) for m in args.meshes))
   from stabledrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import config_lib, specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib, specs  # pylint: disable=g-import-not-at-top
 
   gbs = [float(g) for g in args.device_gb.split(";") if g] if args.device_gb else []
   if gbs and len(gbs) != len(args.meshes):

@@ -37,7 +37,7 @@ from flax import nnx
 import benchmark_sampler
 from stabledrl_jax import models, tasks, tokenizers
 from stabledrl_jax.models.llada.sampler import CACHES
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.state import supervised
 
 PROMPT_LENGTH, GEN_LENGTH, STEPS, BLOCK_LENGTH = 192, 256, 128, 32
 HEADER = ("Fill each 0 of this 4x4 sudoku with 1-4 so every row, column and 2x2 box holds "

@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # Files only: no display needed.
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from stabledrl_jax.training import metrics_writer
+from stabledrl_jax.training.loop import metrics_writer
 
 
 def series(records, name):

@@ -24,7 +24,7 @@ import time
 from absl import app
 from absl import flags
 
-from stabledrl_jax.training import metrics_writer
+from stabledrl_jax.training.loop import metrics_writer
 
 _CONFIG = flags.DEFINE_string("config", "configs/quickstart.py", "Config file of every run.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root directory: one workdir per seed.",

@@ -90,7 +90,7 @@ ONE_BLOCK = ("stabledrl", "spg")  # block_random objectives: also as the officia
 
 def rows(completion_length: int) -> dict[str, dict]:
   """{row: config overrides, mu aside}."""
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
   variants = sweep.objective_variants()
   out = {}
   for name in RATIO_BASED:
@@ -134,9 +134,9 @@ def run_keys(names: list[str], mus: list[int]) -> list[tuple[str, int]]:
 def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
              window: int) -> dict | None:
   """The first sign of collapse in a run's history (see the module docstring), or None: the
-  trainer's collapse guard's rule (``training/collapse.py``), one skipped update enough."""
+  trainer's collapse guard's rule (``training/loop/collapse.py``), one skipped update enough."""
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training import collapse as collapse_lib
+  from stabledrl_jax.training.loop import collapse as collapse_lib
   return collapse_lib.first_collapse(history, collapse_lib.Rules(
       eval_margin=eval_margin, reward_margin=reward_margin, window=window, max_skipped=1))
 
@@ -149,7 +149,7 @@ def run_name(row: str, mu: int, seed: int, config_seed: int) -> str:
 def estimator_label(config) -> str:
   """What the run's likelihood estimator is, e.g. 'block_random 1 x 40, prompt 15%'; a block
   split the official code cannot run is marked ours."""
-  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
   settings = specs.estimator_settings(config)
   label = settings["method"]
   if label.startswith("block_random"):
@@ -166,7 +166,7 @@ def estimator_label(config) -> str:
 def run_summary(result, **criteria) -> dict:
   """Curves and the summary statistics of one run."""
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
+  from stabledrl_jax.training.loop.sweep import REWARD_METRIC, metric
   steps = [h for h in result.history if "grad_norm" in h]
   curves = {name: [metric(h, key or REWARD_METRIC) if (key or REWARD_METRIC) in h else None
                    for h in steps] for name, key in CURVES.items()}
@@ -311,7 +311,7 @@ def main(argv) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
   known = rows(base.rollout.gen_length)

@@ -25,7 +25,8 @@ from absl import app, flags
 
 import compare_objectives  # pylint: disable=g-bad-import-order
 import stabledrl_jax
-from stabledrl_jax.training import config_lib, sweep
+from stabledrl_jax.training.config import config_lib
+from stabledrl_jax.training.loop import sweep
 
 _WORKDIR = compare_objectives._WORKDIR  # pylint: disable=protected-access  # --workdir, its flag.
 _OUTPUT = flags.DEFINE_string("output", None, "The recording (JSON).", required=True)

@@ -21,7 +21,7 @@ import json
 import time
 
 from stabledrl_jax import tpu_compile
-from stabledrl_jax.training import config_lib, specs
+from stabledrl_jax.training.config import config_lib, specs
 
 
 def main() -> None:

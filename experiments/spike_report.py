@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from absl import app, flags
 
-from stabledrl_jax.training import spikes
+from stabledrl_jax.training.loop import spikes
 
 _TOP = flags.DEFINE_integer("top", 5, "Samples listed per spike.")
 _PLOT = flags.DEFINE_bool("plot", False, "Draw log rho against advantage per spike.")

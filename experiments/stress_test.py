@@ -85,7 +85,8 @@ def other_coupling(base, name: str) -> str | None:
   """'coupled' or 'independent': the mask coupling that objective variant ``name`` does not use
   officially; None for an objective without l_old (SPG, wd1: no ratio)."""
   from stabledrl_jax import objectives  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import specs, sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep
   config = sweep.with_overrides(base, sweep.objective_variants()[name])
   if "old_logp" not in objectives.get_objective(config.objective.name).requires:
     return None
@@ -100,7 +101,7 @@ def conditions(base, name: str, other: bool) -> tuple[str, ...]:
 
 def run_overrides(name: str, condition: str, fraction: float) -> dict:
   """Config overrides of one run: the objective's, the stress fraction, the coupling."""
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
   overrides = dict(sweep.objective_variants()[name])
   overrides["estimator.stress.fraction"] = fraction if condition.startswith("stress") else 0.0
   if condition.endswith("_coupled"):
@@ -115,7 +116,7 @@ def run_overrides(name: str, condition: str, fraction: float) -> dict:
 def summarize(result, threshold: float, final_steps: int) -> dict:
   """The summary.json entry of one run (see the module docstring)."""
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
+  from stabledrl_jax.training.loop.sweep import REWARD_METRIC, metric
   steps = [h for h in result.history if "grad_norm" in h]
   norms = [metric(h, "grad_norm") for h in steps]
   finite = [n for n in norms if math.isfinite(n)]
@@ -156,7 +157,7 @@ def plot(results: dict, names: list[str], path: str) -> None:
   matplotlib.use("Agg")  # Files only: no display needed.
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
-  from stabledrl_jax.training.sweep import REWARD_METRIC, metric
+  from stabledrl_jax.training.loop.sweep import REWARD_METRIC, metric
 
   fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.4), sharex=True,
                            squeeze=False)
@@ -207,7 +208,7 @@ def markdown_table(summary: dict) -> str:
 
 def run_all(base, workdir: str, names: list[str], keys: list[str]) -> dict:
   """Every run of ``keys`` ("name/condition") from one supervised start: {key: result}."""
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
   began = time.perf_counter()
   start = sweep.fit_supervised_start(base, os.path.join(workdir, "sft"))
   print(f"supervised start: {time.perf_counter() - began:.0f} s", flush=True)
@@ -230,7 +231,7 @@ def main(argv) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
 
   base, workdir = _CONFIG.value, _WORKDIR.value
   try:

@@ -5,7 +5,7 @@
 
 Loads the latest checkpoint of a run directory (or, if it has none, its supervised start
 `<workdir>/sft_model`), rebuilds the run's held-out set from its `config.json`, and decodes it
-greedily through the trainer's evaluation path (`training/decoding.py`):
+greedily through the trainer's evaluation path (`training/step/decoding.py`):
 
   low_confidence   LLaDA's schedule with the evaluation's steps (`eval.steps`, else gen_length / 2)
   threshold tau    `remasking="threshold"`: every masked position of the block whose confidence
@@ -26,8 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from stabledrl_jax import tasks
-from stabledrl_jax.training import checkpoint_source, data, decoding, mesh as mesh_lib, specs
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.config import run_spec, specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.state import checkpoint_source, supervised
+from stabledrl_jax.training.step import decoding
 
 
 def load_source(workdir: str) -> checkpoint_source.CheckpointSource:
@@ -62,13 +65,13 @@ def main():
       model, tokenizer, task, prompts.examples, prompts.tokens, prompts.mask, key, settings,
       mesh=mesh, batch_size=config.eval.batch_size, reward_scheme=config.task.reward),
       len(prompts.examples))
-  base = decoding.Decoding.of_rollout(r, temperature=0.0, steps=config.eval.steps,
+  base = run_spec.Decoding.of_rollout(r, temperature=0.0, steps=config.eval.steps,
                                       remasking="low_confidence")
   settings = [("low_confidence", f"low_confidence, {base.steps} steps", base, {})]
   for tau in thresholds:
     options = dict(remasking="threshold", threshold=tau)
     settings.append((f"threshold_{tau}", f"threshold tau = {tau}",
-                     decoding.Decoding.of_rollout(r, temperature=0.0, steps=config.eval.steps,
+                     run_spec.Decoding.of_rollout(r, temperature=0.0, steps=config.eval.steps,
                                                   **options), options))
   rows = []
   for name, label, setting, options in settings:

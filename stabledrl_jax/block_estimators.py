@@ -347,7 +347,7 @@ def estimate_block_elbo(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: A
 # ---------------------------------------------------------------------------
 
 # The estimator methods a block model takes keep their full-attention meaning by analogy
-# (``training/rl_loss.py``'s docstring): 'mean_field' scores every block fully masked, each
+# (``training/step/rl_loss.py``'s docstring): 'mean_field' scores every block fully masked, each
 # token given the clean blocks before its own; every ELBO method is the block ELBO, all blocks
 # scored in one staircase pass (for blocks fixed by position, averaging SPG's one random block
 # over the choice of block gives exactly that).
@@ -387,7 +387,7 @@ def _spec_estimate(staircase_fn: StaircaseFn, tokens: Array, prompt_mask: Array,
 
 
 def _meaning(method: str) -> str:
-  """What each name means for a block model (``training/rl_loss.py``, docs/algorithms.md)."""
+  """What each name means for a block model (``training/step/rl_loss.py``, docs/algorithms.md)."""
   if method == "mean_field":
     return ("the whole-block mean field: every completion block fully masked, each token scored "
             "given the clean blocks before it (one deterministic row)")

@@ -15,7 +15,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A shipped config's name (quickstart, llada8b_gsm8k, ...) or the path of a "

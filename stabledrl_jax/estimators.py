@@ -776,7 +776,7 @@ class LikelihoodSpec:
     eubo_beta: compute SPG's EUBO_beta from the same forward pass (None: no EUBO).
     mask_id: the mask token id.
     family: the model family (``config.model.family``), whose record's ``Likelihood`` says how
-      its likelihoods are estimated (``training/rl_loss.py``).
+      its likelihoods are estimated (``training/step/rl_loss.py``).
     options: sorted (name, value) pairs for the estimator's mask sampler.
     stress_rates: (t_min, t_max), the mask rates of the stress test's "easy"
       (numerator) and "hard" (denominator) masks; None: no stress test.
@@ -804,7 +804,7 @@ class LikelihoodSpec:
 class Likelihood:
   """How the sequence likelihoods of one kind of model are estimated.
 
-  A model family's record (``models.Family.likelihood``) holds one; ``training/rl_loss.py``
+  A model family's record (``models.Family.likelihood``) holds one; ``training/step/rl_loss.py``
   consults only it. ``spec`` is the run's ``LikelihoodSpec`` (method, num_samples, options,
   mask_id, normalize, block_size, scored_suffix).
 

@@ -4,8 +4,8 @@ r"""Evaluate a checkpoint: d1-protocol generations for each task and length, the
         --gen_lengths 128,256,512 --output_dir DIR
 
 PATH is a training workdir (its latest orbax checkpoint, or --step) or a Hugging Face checkpoint
-directory (see training/checkpoint_source.py). The prompt style, the tokenizer and synthetic test
-sets follow the checkpoint's training config (a workdir's config.json, the stabledrl_jax.json of
+directory (see training/state/checkpoint_source.py). The prompt style, the tokenizer and
+synthetic test sets follow the checkpoint's training config (a workdir's config.json, the stabledrl_jax.json of
 an export): an export evaluates as its workdir. A checkpoint without one gets d1's prompts, and
 a line on stderr says what was guessed. For each task and generation length the test
 examples become left-padded prompts, decoded with d1's settings (steps = length / 2, blocks of
@@ -46,16 +46,19 @@ import tqdm
 from absl import app, flags, logging
 
 from stabledrl_jax import hub, models, path_args, scoring, tasks, workdir_files
-from stabledrl_jax.training import checkpoint_source, config_lib, data, decoding
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training import mesh as mesh_lib, multihost
+from stabledrl_jax.training.config import config_lib, run_spec
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
+from stabledrl_jax.training.state import checkpoint_source
+from stabledrl_jax.training.step import decoding
 
 D1_ASSISTANT_PREFIX = "<reasoning>"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9.-]+")
 
 
 # The sampler settings of one decoding setup (d1's: `SamplerSettings.d1(gen_length)`).
-SamplerSettings = decoding.Decoding
+SamplerSettings = run_spec.Decoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,8 +312,8 @@ def generate_shards(model: Any, tokenizer, task: tasks.Task,
 # ---------------------------------------------------------------------------
 
 
-# The sampler flags default to the one set of decoding defaults (`decoding.Decoding`).
-_DECODING = {field.name: field.default for field in dataclasses.fields(decoding.Decoding)}
+# The sampler flags default to the one set of decoding defaults (`run_spec.Decoding`).
+_DECODING = {field.name: field.default for field in dataclasses.fields(run_spec.Decoding)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,9 +431,9 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if not isinstance(options.limit, int) or options.limit < 0:
     raise ValueError(f"--limit must be >= 1 (or 0, the default: every example), got "
                      f"{options.limit}")
-  if not 0 <= options.temperature <= decoding.MAX_TEMPERATURE:  # NaN is not.
+  if not 0 <= options.temperature <= run_spec.MAX_TEMPERATURE:  # NaN is not.
     raise ValueError(f"--temperature must be finite and >= 0, at most "
-                     f"{decoding.MAX_TEMPERATURE:g} (0: greedy; far above 1 the completions are "
+                     f"{run_spec.MAX_TEMPERATURE:g} (0: greedy; far above 1 the completions are "
                      f"close to uniform noise), got {options.temperature}")
   names = task_names(options.task)
   sources = data_sources(options.data, names)
@@ -665,7 +668,7 @@ def run_cli() -> None:
   """The console script ``stabledrl-evaluate``: the first Ctrl-C stops it (the finished
   shards are kept), a second exits 130 at once even inside a long jitted call
   (``preemption.CommandLineInterrupts``)."""
-  from stabledrl_jax.training import preemption  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import preemption  # pylint: disable=g-import-not-at-top
   define_flags()
   _INTERRUPTS[:] = [preemption.CommandLineInterrupts(raise_first=True)]
   app.run(main)

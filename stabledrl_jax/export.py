@@ -69,7 +69,7 @@ def parse_size(text: str) -> int:
 def tokenizer_dir(source) -> str | None:
   """The directory whose tokenizer files go with ``source`` (None: a character tokenizer)."""
   from stabledrl_jax import hub  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import checkpoint_source  # pylint: disable=g-import-not-at-top
   if source.kind in (checkpoint_source.HUGGING_FACE, checkpoint_source.PEFT) and os.path.isfile(
       os.path.join(source.path, "tokenizer.json")):
     return source.path
@@ -129,8 +129,9 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
 
   from stabledrl_jax import hub, models  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.models import lora, peft_io  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import checkpoint_source  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.parallel import (  # pylint: disable=g-import-not-at-top
+      mesh as mesh_lib)
 
   source = checkpoint_source.resolve(workdir, step)
   if os.path.abspath(output) == os.path.abspath(source.path):

@@ -12,8 +12,9 @@ compiler on this machine: the Pallas kernels (splash attention) are lowered for 
     result = tpu_compile.compile_decode(config, devices, tpu_compile.rollout_decoding(config))
     result.memory["total"], result.seconds, result.fits
 
-The samplers compile through ``training.decoding.generate`` (the path the trainer's rollouts and
-evaluations take) under the mesh's abstract mesh, the model from ``training.specs.model_config``.
+The samplers compile through ``training.step.decoding.generate`` (the path the trainer's rollouts
+and evaluations take) under the mesh's abstract mesh, the model from
+``training.config.specs.model_config``.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import ml_collections
 from flax import nnx
 
 from stabledrl_jax import libtpu_env, models, profiling
-from stabledrl_jax.training import decoding as decoding_lib
-from stabledrl_jax.training import mesh as mesh_lib
-from stabledrl_jax.training import build, rl_step, specs
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.step import build, decoding as decoding_lib, rl_step
 
 # HBM per chip (bytes), by `device_kind` (Cloud TPU's published sizes).
 CHIP_HBM_BYTES = {

@@ -25,7 +25,7 @@ import sys
 from absl import app, flags, logging
 
 from stabledrl_jax import cli_flags, libtpu_env, path_args
-from stabledrl_jax.training import multihost
+from stabledrl_jax.training.parallel import multihost
 
 _CONFIG = cli_flags.CONFIG
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics "
@@ -51,7 +51,7 @@ def main(argv):
   libtpu_env.log_into(_WORKDIR.value)  # Before any backend starts.
   try:
     multihost.initialize_from_flags()
-    from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+    from stabledrl_jax.training.loop import trainer  # pylint: disable=g-import-not-at-top
     trainer.train(_CONFIG.value, _WORKDIR.value, hard_stop=True)
   except KeyboardInterrupt:
     # A second Ctrl-C (the trainer has released the workdir): exit now, skipping the
@@ -82,7 +82,7 @@ def run() -> None:
   teardown after a stop), a Ctrl-C ends the process at once with status 130
   (``preemption.CommandLineInterrupts``): never a KeyboardInterrupt traceback from an atexit
   callback, nor exit status 0."""
-  from stabledrl_jax.training import preemption  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import preemption  # pylint: disable=g-import-not-at-top
   preemption.CommandLineInterrupts()
   app.run(main, argv=cli_flags.resolve_argv(sys.argv))
 

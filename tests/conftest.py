@@ -15,7 +15,8 @@ def sft_start(tmp_path_factory, worker_id):
   """The tiny supervised start of ``test_training.tiny_config`` (copy it into a workdir with
   ``test_training.workdir_with_start``; never write into it)."""
   from test_training import tiny_config  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import supervised, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import supervised  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import trainer
 
   def fit(workdir):
     trainer.train(tiny_config(**{"train.num_steps": 0}), str(workdir))
@@ -28,7 +29,8 @@ def sft_start(tmp_path_factory, worker_id):
 def sdar_start(tmp_path_factory, worker_id):
   """The tiny SDAR supervised start of ``test_sdar_training.sdar_config``."""
   from test_sdar_training import sdar_config  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import supervised, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import supervised  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import trainer
 
   def fit(workdir):
     trainer.train(sdar_config(**{"train.num_steps": 0}), str(workdir))

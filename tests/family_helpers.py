@@ -56,7 +56,7 @@ def random_batch(eos_id, *, n, prompt, gen, seed, num_tokens, min_prompt, min_co
   of at least ``min_prompt`` tokens right-aligned in ``prompt`` (the left padding EOS where
   ``pad_prompt``), completions of at least ``min_completion`` tokens then EOS padding, group-
   centred advantages over two groups, and (``stressed``) every other row stressed."""
-  from stabledrl_jax.training import rl_loss  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.step import rl_loss  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   length = prompt + gen
   tokens = rng.integers(4, 4 + num_tokens, size=(n, length)).astype(np.int32)

@@ -15,7 +15,7 @@ from flax import nnx
 from stabledrl_jax import models
 from stabledrl_jax.models import layers
 from stabledrl_jax.models.sdar import staircase as staircase_lib
-from stabledrl_jax.training import config_lib, specs
+from stabledrl_jax.training.config import config_lib, specs
 
 RTOL = 1e-5
 

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stabledrl_jax import block_estimators as be
-from stabledrl_jax import models
+from stabledrl_jax import block_estimators as be, models
 
 CONFIG = models.get_sdar_config("tiny")
 BS, MASK = CONFIG.block_size, CONFIG.mask_token_id

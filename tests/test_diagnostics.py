@@ -15,7 +15,9 @@ import pytest
 
 from stabledrl_jax import estimators, objectives
 from stabledrl_jax.objectives import stabledrl as sdrl
-from stabledrl_jax.training import checkpointing, config_lib, spikes, step_metrics, sweep, trainer
+from stabledrl_jax.training.config import config_lib
+from stabledrl_jax.training.loop import spikes, step_metrics, sweep, trainer
+from stabledrl_jax.training.state import checkpointing
 
 from test_training import REPO, tiny_config, workdir_with_start
 from examples import examples

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from stabledrl_jax import models
 from stabledrl_jax.models import family
 from stabledrl_jax.models.dream import Dream, get_dream_config, sampler, tokenizer
-from stabledrl_jax.training import decoding
+from stabledrl_jax.training.config import run_spec
 
 import family_helpers
 
@@ -387,7 +387,7 @@ def test_generate_ends_with_no_mask_and_keeps_the_prompt(alg):
 
 def test_the_family_maps_the_common_options_and_refuses_the_others_in_one_line():
   config = get_dream_config("tiny")
-  d = decoding.Decoding(gen_length=32, steps=16, block_length=32, remasking="entropy",
+  d = run_spec.Decoding(gen_length=32, steps=16, block_length=32, remasking="entropy",
                         temperature=0.5)
   assert family.get("dream").sampling(d, config) == sampler.Sampling(
       gen_length=32, steps=16, alg="entropy", temperature=0.5)
@@ -418,7 +418,8 @@ OBJECTIVES = [
 
 
 def dream_config(**updates):
-  from stabledrl_jax.training import config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep
   c = config_lib.get("quickstart")
   c.model.family = "dream"
   c.rollout.update(remasking="entropy", num_prompts=2, group_size=4, steps=8)
@@ -437,7 +438,9 @@ def test_every_objective_updates_a_dream_model(objective, extra):
   import dataclasses  # pylint: disable=g-import-not-at-top
   import functools  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import data, specs, train_step  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.inputs import data
+  from stabledrl_jax.training.step import train_step
   config = dream_config(**{"objective.name": objective, "rollout.gen_length": 10,
                            "rollout.block_length": 10, "rollout.steps": 10, "eval.steps": 10,
                            **extra})
@@ -492,7 +495,7 @@ def test_a_dream_workdir_exports_to_a_checkpoint_that_loads_with_the_same_logits
   """A tiny Dream run (char tokenizer, no supervised start) exported in the Hugging Face layout:
   the official tensor names, and the same logits when loaded back."""
   from stabledrl_jax import export  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import trainer  # pylint: disable=g-import-not-at-top
   config = dream_config(**{"sft.num_steps": 0, "train.num_steps": 1, "train.num_iterations": 1,
                            "eval.every_steps": 0, "data.train_size": 16, "data.eval_size": 4,
                            "checkpoint.every_steps": 1})

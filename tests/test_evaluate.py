@@ -16,8 +16,12 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import evaluate, models, scoring, tasks, tokenizers
-from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, trainer
-from stabledrl_jax.training import decoding
+from stabledrl_jax.training.config import run_spec
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import trainer
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.state import checkpoint_source
+from stabledrl_jax.training.step import decoding
 from test_training import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -122,7 +126,7 @@ def test_an_sdar_checkpoint_is_evaluated_through_its_block_sampler(tmp_path, sda
   examples = evaluate.load_test_set("sudoku", data_dir=str(data_dir), limit=2)
   style = evaluate.PromptStyle(False, "", written["settings"]["prompt"]["length"])
   tokens, mask = evaluate.styled_prompts(tokenizers.CharTokenizer(), task, examples, style)
-  direct, _ = decoding.generate(model, tokens, mask, jax.random.key(0), decoding.Decoding(
+  direct, _ = decoding.generate(model, tokens, mask, jax.random.key(0), run_spec.Decoding(
       32, 16, stop_at_eos=True))
   texts = [tokenizers.CharTokenizer().decode(row) for row in np.asarray(direct)[:, tokens.shape[1]:]]
   assert [g["generations"] for g in written["generations"]] == texts
@@ -271,7 +275,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import jax, ml_collections, numpy as np
     from jax.sharding import PartitionSpec as P
     from stabledrl_jax import evaluate, tasks, tokenizers
-    from stabledrl_jax.training import checkpoint_source, mesh as mesh_lib
+    from stabledrl_jax.training.parallel import mesh as mesh_lib
+    from stabledrl_jax.training.state import checkpoint_source
 
     checkpoint, data_dir, out = sys.argv[1:]
     assert jax.device_count() == 8, jax.devices()

@@ -18,7 +18,7 @@ import pytest
 
 from stabledrl_jax import models
 from stabledrl_jax.models.llada import flops
-from stabledrl_jax.training import sweep
+from stabledrl_jax.training.loop import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def test_stress_test_runs_each_objective_with_its_official_coupling_then_the_oth
   """Each variant's conditions and their settings: official (``coupled_ratio`` unset), then the
   other coupling for an objective with a ratio; none for SPG and wd1 (no l_old)."""
   stress = _load_experiment("stress_test")
-  from stabledrl_jax.training import config_lib, specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib, specs  # pylint: disable=g-import-not-at-top
   base = config_lib.from_file(REPO / "configs" / "stress_test.py")
   assert base.estimator.get("coupled_ratio") is None
   expected = {"stabledrl": "coupled", "stabledrl_adaptive": "coupled", "spg": None, "wd1": None,
@@ -252,7 +252,8 @@ def test_memory_plan_of_the_cached_sampler(tmp_path):
 
 @pytest.mark.slow
 def test_threshold_decoding_reports_calls_and_accuracy(tmp_path):
-  from stabledrl_jax.training import config_lib, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import trainer
   config = config_lib.from_file(REPO / "configs" / "quickstart.py")
   config.update_from_flattened_dict({
       "sft.num_steps": 20, "sft.batch_size": 16, "data.train_size": 64, "data.eval_size": 8,
@@ -452,7 +453,7 @@ def test_ratio_noise_study_runs_each_row_as_it_says():
 
 
 def test_ratio_noise_study_names_each_estimator_for_what_it_is():
-  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
   study = _load_experiment("ratio_noise_study")
   base = config_lib.from_file(REPO / "configs" / "ratio_noise_seeds.py")
   assert (base.rollout.group_size, base.rollout.num_prompts) == (16, 8)
@@ -564,7 +565,8 @@ def test_a_sweep_run_cut_by_a_signal_is_not_recorded_as_finished(tmp_path, monke
   """The trainer returns normally after a signal saves the run; the sweep must not take the
   cut run for a finished one: no run_result.json, a one-line exit naming the run, and the same
   call later resumes it."""
-  from stabledrl_jax.training import config_lib, trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import trainer
   config = config_lib.get("quickstart")
   config.train.num_steps = 2
   start = tmp_path / "start"
@@ -617,7 +619,7 @@ def test_cache_accuracy_evaluates_a_workdir_as_the_trainer_did(tmp_path, sft_sta
   """experiments/cache_accuracy.py evaluates the workdir's latest checkpoint by the trainer's
   own evaluation (``decoding.evaluate``) without a trainer: its exact row is the trainer's
   eval at that step, and its cached rows are the family's caches."""
-  from stabledrl_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import trainer  # pylint: disable=g-import-not-at-top
   from test_training import tiny_config, workdir_with_start  # pylint: disable=g-import-not-at-top
   config = tiny_config(**{"train.num_steps": 1, "eval.every_steps": 1})
   workdir = workdir_with_start(tmp_path / "run", sft_start)
@@ -646,6 +648,7 @@ def test_the_loop_reads_the_record_not_the_config(tmp_path):
   after = {module for phase, module in counts if phase == "after"}
   assert after, counts  # The build's sources are read (the model, the data).
   loop = {f"stabledrl_jax.training.{m}" for m in (
-      "trainer", "rl_step", "rollout", "step_metrics", "train_step", "rl_loss", "collapse",
-      "decoding", "metrics_writer", "spikes", "preemption")}
+      "loop.trainer", "step.rl_step", "step.rollout", "loop.step_metrics", "step.train_step",
+      "step.rl_loss", "loop.collapse", "step.decoding", "loop.metrics_writer", "loop.spikes",
+      "loop.preemption")}
   assert not after & loop, sorted(after & loop)

@@ -17,8 +17,10 @@ from safetensors import safe_open
 
 from stabledrl_jax import evaluate, export, models, tokenizers
 from stabledrl_jax.models import hf_io
-from stabledrl_jax.training import checkpoint_source, data, mesh as mesh_lib, trainer
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import trainer
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.state import checkpoint_source, supervised
 
 from test_hub import REPO_ID, _hub_cache
 from test_training import tiny_config

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from stabledrl_jax import hub, models
-from stabledrl_jax.training import specs
+from stabledrl_jax.training.config import specs
 
 from test_tokenizers import _tiny_llada_tokenizer_json
 from test_training import tiny_config
@@ -58,7 +58,7 @@ def test_a_hub_id_loads_offline_from_the_cache(tmp_path):
       from flax import nnx
       import jax
       from stabledrl_jax import hub, models, tokenizers
-      from stabledrl_jax.training import checkpoint_source
+      from stabledrl_jax.training.state import checkpoint_source
       model = models.from_pretrained({REPO_ID!r})
       direct = models.from_pretrained(hub.local_path({REPO_ID!r}))
       same = all(np.array_equal(a, b) for a, b in zip(
@@ -89,7 +89,8 @@ def test_a_run_starts_from_a_hub_id(tmp_path, monkeypatch):
   """--config.model.checkpoint=OWNER/NAME and --config.tokenizer.path=OWNER/NAME: the trainer
   builds the model and tokenizer from the cache (validation passes; one rollout is decoded)."""
   from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import build, data  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.inputs import data  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.step import build
   cache = _hub_cache(tmp_path / "cache")
   monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
   monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -110,7 +111,7 @@ def test_placeholders_fail_in_validation_with_what_to_pass(field):
 
 
 def test_the_paper_configs_name_the_released_models_by_hub_id():
-  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
   for name, repo in (("llada8b_gsm8k", "GSAI-ML/LLaDA-8B-Instruct"),
                      ("sdar8b_math", "JetLM/SDAR-8B-Chat")):
     config = config_lib.get(name)
@@ -169,7 +170,7 @@ def test_a_peft_adapter_loads_by_hub_id_on_the_base_it_names(tmp_path, monkeypat
   import jax  # pylint: disable=g-import-not-at-top
   from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.models import lora, peft_io  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import checkpoint_source  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import checkpoint_source  # pylint: disable=g-import-not-at-top
   cache = _hub_cache(tmp_path / "cache")
   adapter_id = REPO_ID + "-lora"
   repo = cache / ("models--" + adapter_id.replace("/", "--"))

@@ -32,8 +32,9 @@ from stabledrl_jax import cli_flags, evaluate, input_files, scoring, tasks, toke
 from stabledrl_jax import workdir_files
 from stabledrl_jax.models import hf_io, peft_io
 from stabledrl_jax.plan import report
-from stabledrl_jax.training import checkpoint_source, checkpointing, collapse, metrics_writer
-from stabledrl_jax.training import lora_base, spikes, sweep, train_step
+from stabledrl_jax.training.loop import collapse, metrics_writer, spikes, sweep
+from stabledrl_jax.training.state import checkpoint_source, checkpointing, lora_base
+from stabledrl_jax.training.step import train_step
 
 import test_hf_io
 

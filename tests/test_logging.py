@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from stabledrl_jax import profiling
-from stabledrl_jax.training import metrics_writer, optimizer as optimizer_lib, specs, trainer
+from stabledrl_jax.training.config import optimizer as optimizer_lib, specs
+from stabledrl_jax.training.loop import metrics_writer, trainer
 
 from test_training import tiny_config, workdir_with_start
 
@@ -110,7 +111,7 @@ def test_step_flops_and_peak_table():
 
 _WRITE_EVENTS = """
 import importlib.util, sys
-from stabledrl_jax.training import metrics_writer
+from stabledrl_jax.training.loop import metrics_writer
 writer = metrics_writer.MetricsWriter(sys.argv[1])
 writer.write(3, {"loss": 0.25})
 writer.write_samples(3, [{"reward": 1.0, "prompt": "p", "completion": "c"}])

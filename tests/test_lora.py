@@ -13,8 +13,10 @@ from flax import nnx
 
 from stabledrl_jax import export, models
 from stabledrl_jax.models import layers, lora
-from stabledrl_jax.training import checkpoint_source, specs, train_step, trainer
-from stabledrl_jax.training import build
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.loop import trainer
+from stabledrl_jax.training.state import checkpoint_source
+from stabledrl_jax.training.step import build, train_step
 
 from test_training import tiny_config
 
@@ -149,7 +151,8 @@ def test_a_lora_run_moves_only_the_adapters_and_keeps_the_base_bit_identical(tmp
   trained = train_step.trained(run.state.params, lora=True)
   assert len(jax.tree.leaves(trained)) == len(jax.tree.leaves(a1))
   # The checkpoint holds the adapters (and their moments), not the base: rebuilt at resume.
-  from stabledrl_jax.training import checkpointing, lora_base  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import (  # pylint: disable=g-import-not-at-top
+      checkpointing, lora_base)
   reader = checkpointing.Checkpointer(str(tmp_path), read_only=True)
   assert sorted(reader.stored_fields(2)["params"]) == sorted(x.shape for x in jax.tree.leaves(a1))
   assert reader.restore_meta(2)[lora_base.META_KEY] == {
@@ -262,7 +265,7 @@ OFFICIAL = {
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
 def test_each_baseline_s_8b_config_trains_lora_as_its_official_code(name):
-  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
   objective, mu, weight_decay, base_dtype = OFFICIAL[name]
   for task, iterations in mu.items():
     config = config_lib.get(f"{name}:{task}")
@@ -283,7 +286,7 @@ def test_each_baseline_s_8b_config_trains_lora_as_its_official_code(name):
 
 
 def test_stabledrl_stays_full_parameter_and_its_lora_config_is_offered():
-  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
   assert config_lib.get("llada8b_gsm8k").model.lora.rank == 0
   config = config_lib.get("llada8b_stabledrl_lora:countdown")
   specs.validate(config)

@@ -20,11 +20,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from stabledrl_jax.training import checkpointing, config_lib, metrics_writer, multihost
-from stabledrl_jax.training import specs
-from stabledrl_jax.training import reward_pool
 from stabledrl_jax import tasks
 from stabledrl_jax.rewards import math_equivalence
+from stabledrl_jax.training.config import config_lib, specs
+from stabledrl_jax.training.inputs import reward_pool
+from stabledrl_jax.training.loop import metrics_writer
+from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.state import checkpointing
 from shared_runs import shared_start
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -329,7 +331,7 @@ _LAYOUT_SCRIPT = """
 import sys
 import ml_collections, numpy as np
 from absl import flags
-from stabledrl_jax.training import mesh as mesh_lib, multihost
+from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
 multihost.define_flags()
 flags.FLAGS(sys.argv)
 multihost.initialize_from_flags()

@@ -533,7 +533,7 @@ def test_each_objective_module_opens_with_its_equation_and_official_source(name)
 def test_the_adaptive_clip_state_moves_inside_jit_as_its_controller_says():
   """``train_step.advance_objective_state`` (jitted, as the trainer runs it): the bound after a
   step is ``adapt_log_clip`` of the mean clipped fraction over the step's updates; fixed: kept."""
-  from stabledrl_jax.training import train_step
+  from stabledrl_jax.training.step import train_step
   adaptive = sdrl.StableDRLHparams(clip_mode="adaptive", max_ratio=2.0)
   state = objectives.get_objective("stabledrl").initial_state(adaptive)
   assert float(state["log_clip_hi"]) == pytest.approx(np.log(2.0))
@@ -556,7 +556,7 @@ def test_the_adaptive_clip_state_moves_inside_jit_as_its_controller_says():
 
 def _run(objective, hparams):
   from stabledrl_jax import estimators
-  from stabledrl_jax.training import run_spec
+  from stabledrl_jax.training.config import run_spec
   spec = estimators.LikelihoodSpec(method="elbo", num_samples=2, normalize="mean",
                                    token_level=False, eubo_beta=None, family="llada", mask_id=0)
   return run_spec.RunSpec(objective=objective, hparams=hparams, likelihood=spec, group_size=2,

@@ -22,7 +22,7 @@ import zipfile
 import pytest
 
 from stabledrl_jax import cli_flags
-from stabledrl_jax.training import config_lib
+from stabledrl_jax.training.config import config_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "stabledrl_jax"
@@ -127,6 +127,36 @@ def test_every_package_directory_is_a_regular_package():
     assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
 
 
+
+# training/'s rooms, lowest first (docs/training.md): each imports only the rooms before it.
+TRAINING_ROOMS = ("inputs", "parallel", "config", "step", "state", "loop")
+
+
+def test_the_training_rooms_import_one_way():
+  """Every module of training/ sits in a room, and its imports (deferred ones included) reach
+  only its own room and the rooms before it; the rooms' __init__ files import nothing, so that
+  ``config_lib`` loads without jax."""
+  training = PACKAGE / "training"
+  assert sorted(p.name for p in training.glob("*.py")) == ["__init__.py"]
+  assert sorted(p.name for p in training.iterdir() if p.is_dir() and p.name != "__pycache__") \
+      == sorted(TRAINING_ROOMS)
+  wrong = []
+  for rank, room in enumerate(TRAINING_ROOMS):
+    for path in sorted((training / room).glob("*.py")):
+      tree = ast.parse(path.read_text())
+      if path.name == "__init__.py":
+        assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], path
+        continue
+      for node in ast.walk(tree):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        for name in names:
+          parts = name.split(".")
+          if parts[:2] == ["stabledrl_jax", "training"] and len(parts) > 2 \
+              and TRAINING_ROOMS.index(parts[2]) > rank:
+            wrong.append(f"{room}/{path.name} imports {name}")
+  assert not wrong, wrong
+
 def test_the_wheel_holds_every_module_of_the_source_tree(wheel):
   names = set(zipfile.ZipFile(wheel).namelist())
   directories = {str(d.relative_to(REPO)) for d in _python_dirs(PACKAGE)} | {
@@ -167,7 +197,7 @@ def test_the_wheel_has_the_configs_data_and_console_scripts(venv, tmp_path):
       import json, sys
       import stabledrl_jax
       from stabledrl_jax import cli_flags, tasks
-      from stabledrl_jax.training import config_lib
+      from stabledrl_jax.training.config import config_lib
       argv = cli_flags.resolve_config_flag(["train", "--config", "quickstart",
                                             "--config.seed=3"])
       config = config_lib.get("llada8b_gsm8k")

@@ -15,7 +15,8 @@ import ml_collections
 import pytest
 
 from stabledrl_jax import input_files, scoring, tasks, workdir_files
-from stabledrl_jax.training import checkpointing, data
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.state import checkpointing
 
 
 def _fifo(path):

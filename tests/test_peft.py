@@ -16,8 +16,9 @@ from safetensors.numpy import load_file, save_file
 
 from stabledrl_jax import export, models
 from stabledrl_jax.models import hf_io, lora, peft_io
-from stabledrl_jax.training import checkpoint_source, trainer
-from stabledrl_jax.training import build, supervised
+from stabledrl_jax.training.loop import trainer
+from stabledrl_jax.training.state import checkpoint_source, supervised
+from stabledrl_jax.training.step import build
 
 import test_dream
 import test_hf_io
@@ -324,7 +325,8 @@ def test_a_moved_lora_workdir_resumes_exports_and_evaluates(tmp_path, sft_start)
   (``<workdir>/sft_model``): after ``mv W W2`` the run resumes, exports (its adapter names W2's
   start) and evaluates with the same logits; an edited start is still refused. A checkpoint of
   an older version, which recorded the start's absolute path, is read after a move too."""
-  from stabledrl_jax.training import checkpointing, lora_base  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.state import (  # pylint: disable=g-import-not-at-top
+      checkpointing, lora_base)
   workdir, config, run, tokens, trained = _trained_lora_workdir(tmp_path, sft_start)
   reader = checkpointing.Checkpointer(str(workdir), read_only=True)
   assert reader.restore_meta(1)[lora_base.META_KEY]["source"] == "<workdir>/sft_model"

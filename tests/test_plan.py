@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from stabledrl_jax import plan, profiling, tpu_compile
-from stabledrl_jax.training import config_lib, specs
+from stabledrl_jax.training.config import config_lib, specs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 needs_libtpu = pytest.mark.skipif(not tpu_compile.libtpu_available(),

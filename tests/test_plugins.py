@@ -16,10 +16,11 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import estimators, evaluate, models, tasks
-from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import llada
+from stabledrl_jax.models import family as family_lib, llada
 from stabledrl_jax.models.llada import checkpoint as llada_checkpoint
-from stabledrl_jax.training import rl_loss, specs, sweep, trainer
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.loop import sweep, trainer
+from stabledrl_jax.training.step import rl_loss
 
 from test_training import tiny_config
 

@@ -21,8 +21,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from stabledrl_jax import models, objectives, scoring
-from stabledrl_jax.training import checkpointing, metrics_writer, specs, trainer
-from stabledrl_jax.training import build, run_build, supervised
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.loop import metrics_writer, run_build, trainer
+from stabledrl_jax.training.state import checkpointing, supervised
+from stabledrl_jax.training.step import build
 
 from test_training import _toy_update, tiny_config
 
@@ -625,12 +627,12 @@ def test_orbax_closed_loop_noise_is_dropped_and_nothing_else(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------------
-# The collapse guard (train.collapse_guard; training/collapse.py).
+# The collapse guard (train.collapse_guard; training/loop/collapse.py).
 # ---------------------------------------------------------------------------
 
 
 def test_the_collapse_rule_is_the_studys():
-  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import collapse  # pylint: disable=g-import-not-at-top
   rules = collapse.Rules(eval_margin=2.0, reward_margin=0.02, window=2, max_skipped=3)
   rising_then_falling = [{"step": 0, "eval/accuracy": 10.0}] + [
       {"step": s, "rewards/correctness": 0.5, "skipped_steps": 0} for s in range(1, 6)] + [
@@ -657,7 +659,8 @@ def test_the_collapse_rule_is_the_studys():
                                     {"step": 2, "collapse_guard/lr_scale": 0.5},
                                     {"step": 2, "x": 2}, {"step": 3, "x": 3}], upto=2)
   assert trajectory.records() == [{"step": 1, "eval/accuracy": 1.0}, {"step": 2, "x": 2}]
-  from stabledrl_jax.training import config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep
   for field, value, says in (("action", "pause", "action: 'pause' is not one of"),
                              ("lr_factor", 0.0, "lr_factor"), ("window", 0, "window")):
     config = sweep.with_overrides(config_lib.get("quickstart"),
@@ -672,7 +675,7 @@ def test_the_collapse_guard_restores_the_best_eval_at_a_lower_learning_rate_then
   halves the learning rate, runs the steps again from there (the first rerun step is the first
   run's: the same parameters, key and data), records the event, and once its restores are spent
   stops the run normally; the metrics continue the same file."""
-  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import collapse  # pylint: disable=g-import-not-at-top
   config = _quick(**{"train.num_steps": 4, "eval.every_steps": 1,
                      "train.collapse_guard.enabled": True, "train.collapse_guard.window": 1,
                      "train.collapse_guard.reward_margin": 0.0,
@@ -723,7 +726,7 @@ _GUARDED_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from test_reliability import _quick
-from stabledrl_jax.training import trainer
+from stabledrl_jax.training.loop import trainer
 trainer.train(_quick(**json.loads({updates!r})), {workdir!r}, hard_stop=True)
 """
 
@@ -765,7 +768,7 @@ def test_a_kill_after_a_restore_resumes_the_restored_run_exactly(tmp_path):
   step saved again as the latest, with the event and the records logged so far in its meta: a
   SIGKILL or SIGTERM there resumes the restored run (never the collapsed checkpoint), and the
   rerun's metrics.jsonl equals the uninterrupted run's, record for record."""
-  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import collapse  # pylint: disable=g-import-not-at-top
   config = _quick(**_GUARDED)
   trainer.train(config, str(tmp_path / "whole"))
   whole = _records_without_timing(tmp_path / "whole")
@@ -800,7 +803,7 @@ def test_a_kill_between_the_staged_restore_and_its_promotion_is_finished_by_the_
   next start promotes it (the collapsed steps moved aside), and the run ends as the
   uninterrupted one, record for record. A guard stop on a step never saved (no checkpoint yet)
   still refuses the rerun."""
-  from stabledrl_jax.training import collapse  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import collapse  # pylint: disable=g-import-not-at-top
   config = _quick(**_GUARDED)
   trainer.train(config, str(tmp_path / "whole"))
   real = run_build.promote_restore
@@ -843,7 +846,8 @@ def test_a_kill_between_the_staged_restore_and_its_promotion_is_finished_by_the_
 def test_a_sweep_reads_back_a_run_recorded_before_a_config_field_was_added():
   """A sweep's run is known by its config; fields added to the base config since, at their
   defaults (or unset), do not make it another run (an upgrade would retrain the sweep)."""
-  from stabledrl_jax.training import config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep
   current = config_lib.get("quickstart").to_json_best_effort(sort_keys=True)
   older = json.loads(current)
   del older["train"]["collapse_guard"]["go_on"]
@@ -876,7 +880,7 @@ def test_a_collapse_guard_that_never_fires_leaves_the_run_as_it_was(tmp_path):
 
 
 def sweep_overrides(config, updates):
-  from stabledrl_jax.training import sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import sweep  # pylint: disable=g-import-not-at-top
   return sweep.with_overrides(config, updates)
 
 
@@ -884,7 +888,7 @@ def test_a_sweep_reads_a_guarded_run_as_it_stands_and_names_the_guards_stop(tmp_
   """The sweeps (the ratio-noise study) read a guarded run's steps as they now stand (a step
   run again after a restore replaces its first record) and its stop as the guard's, not a
   signal's."""
-  from stabledrl_jax.training import collapse, sweep  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import collapse, sweep  # pylint: disable=g-import-not-at-top
   plain = [{"step": 1, "rewards/mean": 1.0}, {"step": 2, "rewards/mean": 0.0}]
   (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in plain))
   assert sweep._trajectory(str(tmp_path)) == plain and sweep._guard_stop(str(tmp_path)) == ""

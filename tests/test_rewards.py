@@ -19,13 +19,8 @@ from hypothesis import strategies as st
 import pytest
 
 from stabledrl_jax import rewards
-from stabledrl_jax.rewards import arithmetic
-from stabledrl_jax.rewards import d1_protocol
-from stabledrl_jax.rewards import deadline
-from stabledrl_jax.rewards import extraction
-from stabledrl_jax.rewards import format_rewards
-from stabledrl_jax.rewards import math_equivalence
-from stabledrl_jax.rewards import task_rewards
+from stabledrl_jax.rewards import arithmetic, d1_protocol, deadline, extraction, format_rewards
+from stabledrl_jax.rewards import math_equivalence, task_rewards
 from examples import examples
 
 SUDOKU_PUZZLE = "1034000000000000"
@@ -798,7 +793,7 @@ def test_the_training_scorer_is_bounded_on_huge_powers(scheme):
   """The probe of issue #27: four (x+1)^{9999} answers took 20 s through the scorer."""
   pytest.importorskip("math_verify")
   from stabledrl_jax import tasks  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import reward_pool  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.inputs import reward_pool  # pylint: disable=g-import-not-at-top
   task = tasks.get_task("math500")
   scorer = reward_pool.RewardScorer(task, scheme, workers=0)
   texts = ["\\boxed{(x+1)^{9999}}", "\\boxed{(2x+1)^{999}}", "\\boxed{(a+b+c+d+e+f)^{12}}",

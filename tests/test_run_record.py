@@ -11,8 +11,9 @@ import pytest
 
 from stabledrl_jax import models
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training import build, collapse, optimizer as optimizer_lib, rl_step, specs
-from stabledrl_jax.training import trainer
+from stabledrl_jax.training.config import optimizer as optimizer_lib, specs
+from stabledrl_jax.training.loop import collapse, trainer
+from stabledrl_jax.training.step import build, rl_step
 
 from test_training import tiny_config, workdir_with_start
 

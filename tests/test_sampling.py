@@ -509,7 +509,8 @@ import sys
 import jax, jax.numpy as jnp, ml_collections, numpy as np
 from flax import nnx
 from stabledrl_jax import models
-from stabledrl_jax.training import decoding, mesh as mesh_lib, multihost
+from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
+from stabledrl_jax.training.step import decoding
 devices = int(sys.argv[1])
 mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=devices, tensor=1)))
 model = models.LLaDA(models.get_config("tiny", n_layers=2), rngs=nnx.Rngs(0))
@@ -520,7 +521,7 @@ mask[0, :2] = False
 key = jax.random.key(7)
 split = multihost.row_split(models.batch_sharding(mesh, ndim=1), n)
 for temperature in (0.0, 0.9):
-  settings = decoding.Decoding(8, 8, block_length=4, temperature=temperature, cache="dual")
+  settings = run_spec.Decoding(8, 8, block_length=4, temperature=temperature, cache="dual")
   run = lambda c: decoding.generate_rows(model, prompt, mask, key, settings, mesh=mesh,
                                          split=split, chunk_rows=c)
   whole, chunked = run(0), run(chunk)
@@ -557,14 +558,14 @@ def test_chunked_rollouts_are_chunks_decoded_alone(devices):
 
 def test_bad_chunks_are_one_line_errors_naming_the_field():
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import decoding  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
   rollout = lambda g: ml_collections.ConfigDict(dict(num_prompts=4, group_size=2,
                                                      microbatch_groups=g))
-  decoding.check_chunks(rollout(0), 8)
-  decoding.check_chunks(rollout(2), 4)
+  specs.check_chunks(rollout(0), 8)
+  specs.check_chunks(rollout(2), 4)
   with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=3 does not divide"):
-    decoding.check_chunks(rollout(3), 1)
+    specs.check_chunks(rollout(3), 1)
   with pytest.raises(ValueError, match=r"^rollout.microbatch_groups=1 gives 2 rows.*4 data"):
-    decoding.check_chunks(rollout(1), 4)
+    specs.check_chunks(rollout(1), 4)
   with pytest.raises(ValueError, match=r"^rollout.microbatch_groups must be an integer >= 0"):
-    decoding.check_chunks(rollout(-1), 1)
+    specs.check_chunks(rollout(-1), 1)

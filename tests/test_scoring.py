@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from stabledrl_jax import scoring
-from stabledrl_jax import tasks
+from stabledrl_jax import scoring, tasks
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BASELINES = SHARED_DATA / "d1_baseline_generations"

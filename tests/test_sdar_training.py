@@ -13,9 +13,11 @@ import pytest
 from flax import nnx
 
 from stabledrl_jax import block_estimators, estimators, models
-from stabledrl_jax.training import data, metrics_writer, rl_loss
-from stabledrl_jax.training import specs
-from stabledrl_jax.training import supervised, train_step, trainer
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import metrics_writer, trainer
+from stabledrl_jax.training.state import supervised
+from stabledrl_jax.training.step import rl_loss, train_step
 
 from test_training import _comparable, _final_params, load_config, tiny_config
 import family_helpers

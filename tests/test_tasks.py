@@ -10,9 +10,9 @@ import pytest
 
 from stabledrl_jax import tasks
 from stabledrl_jax.rewards import arithmetic
-from stabledrl_jax.tasks import countdown
-from stabledrl_jax.tasks import sudoku
-from stabledrl_jax.training import config_lib, data, specs
+from stabledrl_jax.tasks import countdown, sudoku
+from stabledrl_jax.training.config import config_lib, specs
+from stabledrl_jax.training.inputs import data
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(),

@@ -20,7 +20,8 @@ pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from stabledrl_jax import libtpu_env, tpu_compile
-from stabledrl_jax.training import config_lib, decoding as decoding_lib
+from stabledrl_jax.training.config import config_lib
+from stabledrl_jax.training.step import decoding as decoding_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"llada": "quickstart", "sdar": "sdar_tiny_quickstart"}

@@ -22,11 +22,12 @@ from flax import nnx
 
 from stabledrl_jax import estimators, models, objectives
 from stabledrl_jax.models.llada import sampler as llada_sampler
-from stabledrl_jax.training import checkpointing, config_lib, data, metrics_writer
-from stabledrl_jax.training import specs
-from stabledrl_jax.training import multihost, optimizer as optimizer_lib, rl_loss, rollout, run_spec
-from stabledrl_jax.training import sweep, train_step, trainer
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.config import config_lib, optimizer as optimizer_lib, run_spec, specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import metrics_writer, sweep, trainer
+from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.state import checkpointing, supervised
+from stabledrl_jax.training.step import rl_loss, rollout, train_step
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -179,7 +180,7 @@ def test_paper_configs_run_the_official_schedule_on_float32_master_weights(name)
 
 def test_config_files_import_neither_jax_nor_flax():
   """Loading every config (as --help, a sweep or a notebook does) stays light: the schema is
-  ml_collections only; what a run derives from it lives in training/specs.py."""
+  ml_collections only; what a run derives from it lives in training/config/specs.py."""
   script = ("import sys\n"
             "from stabledrl_jax.training import config_lib\n"
             "for name in config_lib.config_names():\n"
@@ -740,7 +741,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, sft_start):
 _LOSSES_SCRIPT = """
 import json, sys
 import jax
-from stabledrl_jax.training import trainer
+from stabledrl_jax.training.loop import trainer
 sys.path.insert(0, {tests!r})
 from test_training import tiny_config
 config = tiny_config(**{{"mesh.data": {data}, "mesh.fsdp": {fsdp}, "mesh.tensor": {tensor}}})
@@ -835,7 +836,7 @@ SLOW_STEP = "slow sft step"
 _SLOW_SFT = f"""
 import sys, time
 import jax, numpy as np
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.state import supervised
 real, calls = supervised._sft_step, []
 
 def slow(*args, **kwargs):

@@ -18,9 +18,11 @@ from absl import flags
 from stabledrl_jax import export, models, path_args
 from stabledrl_jax.models import family, lora, peft_io
 from stabledrl_jax.models.dream import sampler as dream_sampler
-from stabledrl_jax.training import build, checkpointing, config_lib, data, decoding, specs
-from stabledrl_jax.training import sweep
-from stabledrl_jax.training import supervised, trainer
+from stabledrl_jax.training.config import config_lib, run_spec, specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import sweep, trainer
+from stabledrl_jax.training.state import checkpointing, supervised
+from stabledrl_jax.training.step import build
 
 import test_hub
 from test_evaluate import env, hf_checkpoint, options  # pylint: disable=unused-import
@@ -166,7 +168,7 @@ def test_family_options_are_set_from_the_command_line_and_refused_by_name_elsewh
     flags.FLAGS.unparse_flags()
   assert config.rollout.family_options.top_p == 0.9 and config.eval.family_options.top_k == 5
   specs.validate(config)
-  evaluation = decoding.Decoding.of_eval(config)
+  evaluation = run_spec.Decoding.of_eval(config)
   assert dict(evaluation.family_options) == {"top_p": 0.9, "top_k": 5}
   llada = sweep.with_overrides(config, {"model.family": "llada",
                                         "rollout.remasking": "low_confidence"})
@@ -176,15 +178,15 @@ def test_family_options_are_set_from_the_command_line_and_refused_by_name_elsewh
            "none")
   plain = config_lib.get("quickstart")
   specs.validate(plain)
-  assert decoding.Decoding.of_eval(plain).family_options == ()
+  assert run_spec.Decoding.of_eval(plain).family_options == ()
 
 
 @pytest.mark.parametrize("temperature", [1e300, 101.0])
 def test_a_decoding_temperature_is_bounded(temperature):
   config = models.get_config("tiny")
   with pytest.raises(ValueError, match=r"^temperature: must be at most 100 "):
-    decoding.Decoding(gen_length=32, temperature=temperature).check(config)
-  decoding.Decoding(gen_length=32, temperature=decoding.MAX_TEMPERATURE).check(config)
+    run_spec.Decoding(gen_length=32, temperature=temperature).check(config)
+  run_spec.Decoding(gen_length=32, temperature=run_spec.MAX_TEMPERATURE).check(config)
 
 
 def test_evaluate_bounds_the_temperature_and_the_generation_length(tmp_path, hf_checkpoint):
@@ -338,7 +340,7 @@ EXITING = "interpreter exiting"
 _HELD_EXIT = f"""
 import atexit, sys, time
 atexit.register(lambda: (print({EXITING!r}, flush=True), time.sleep(600)))
-from stabledrl_jax.training import rl_step
+from stabledrl_jax.training.step import rl_step
 real = rl_step.rl_step
 
 def marked(*args, **kwargs):
@@ -398,7 +400,7 @@ def test_a_second_ctrl_c_after_the_run_stopped_exits_130_without_a_traceback(tmp
 # first Ctrl-C waits for the call to return, the second ends the process at once.
 _HELD_DECODE = f"""
 import signal, sys, time
-from stabledrl_jax.training import decoding
+from stabledrl_jax.training.step import decoding
 
 def held(*args, **kwargs):
   signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])

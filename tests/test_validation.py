@@ -12,7 +12,8 @@ import ml_collections
 import pytest
 
 from stabledrl_jax import cli_flags, objectives, tasks, tokenizers
-from stabledrl_jax.training import config_lib, data, specs
+from stabledrl_jax.training.config import config_lib, specs
+from stabledrl_jax.training.inputs import data
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "configs" / "quickstart.py")
@@ -231,7 +232,7 @@ def test_the_seeds_at_the_ends_pass():
 
 # Integer fields where -1 means something: (field, why). Every other integer field refuses -1.
 MINUS_ONE_MEANS_SOMETHING = {
-    "mesh.data": "-1: the devices the other mesh axes leave (training/mesh.py)",
+    "mesh.data": "-1: the devices the other mesh axes leave (training/parallel/mesh.py)",
     "mesh.fsdp": "-1: the devices the other mesh axes leave (the paper configs' FSDP axis)",
     "mesh.tensor": "-1: the devices the other mesh axes leave",
 }

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from stabledrl_jax import libtpu_env, workdir_files
-from stabledrl_jax.training import checkpointing, metrics_writer, spikes, trainer
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.loop import metrics_writer, spikes, trainer
+from stabledrl_jax.training.state import checkpointing, supervised
 
 from test_training import tiny_config
 
@@ -312,7 +312,7 @@ def test_a_full_disk_at_the_first_rl_checkpoint_is_one_line_not_a_hang(small_dis
 _FAILED_SAVE_AFTER_THE_ERROR = textwrap.dedent("""
     import asyncio, atexit, gc, sys
     from stabledrl_jax import train
-    from stabledrl_jax.training import trainer
+    from stabledrl_jax.training.loop import trainer
 
     def failing_train(config, workdir, **kwargs):
       # As when the disk fills under metrics.jsonl with a save in flight: orbax's write fails
@@ -349,7 +349,7 @@ _SLOW_RUN = textwrap.dedent("""
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
     from test_training import tiny_config
-    from stabledrl_jax.training import trainer
+    from stabledrl_jax.training.loop import trainer
 
     real = trainer.Trainer.rl_step
 

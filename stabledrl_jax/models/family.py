@@ -4,8 +4,8 @@ A family (LLaDA, SDAR) is one folder under ``models/`` whose ``__init__.py`` reg
 :class:`Family`. The record owns everything that differs between families: the config class and
 its named configs, the NNX module, the Hugging Face checkpoint layout (:class:`Checkpoint`), the
 tokenizer conventions, the sampler, the likelihood function and estimators, and the rollout layout
-check. The trainer, the estimators (``training/rl_loss.py``), the evaluation harness, checkpoint
-IO (``hf_io``) and the memory plan look a family up here (``get(name)`` by
+check. The trainer, the estimators (``training/step/rl_loss.py``), the evaluation harness,
+checkpoint IO (``hf_io``) and the memory plan look a family up here (``get(name)`` by
 ``config.model.family``, ``of(config_or_model)``, ``by_model_type(config.json's model_type)``)
 and never ask which family they run.
 
@@ -157,7 +157,7 @@ class Family:
     likelihood_fn: (model, attention_mask [B, L]) -> the model as ``likelihood.estimate``
       takes it.
     sampling: (decoding, config) -> the family's own sampler settings record, from the common
-      options (``training/decoding.Decoding``: gen_length, steps over the completion,
+      options (``training/run_spec.Decoding``: gen_length, steps over the completion,
       block_length, temperature, remasking, threshold, cfg_scale, stop_at_eos, cache); raises
       ValueError naming an option its sampler does not take.
     generate: (model, prompt_tokens [B, P], prompt_mask [B, P], key, settings) -> (tokens
@@ -178,7 +178,7 @@ class Family:
       of ``profiling.rl_step_flops_of_run``, by the family's own sampler and estimator.
     holds_kv_cache: cache -> whether its sampler keeps a KV cache of every position (the
       planner's ``kv_cache_bytes``) with ``rollout.cache`` = cache.
-    eval_decoding: gen_length -> the ``decoding.Decoding`` fields its official evaluation sets
+    eval_decoding: gen_length -> the ``run_spec.Decoding`` fields its official evaluation sets
       where ``stabledrl_jax.evaluate``'s command line names none (block_length, remasking,
       family_options); {}: d1's protocol (blocks of 32, low-confidence remasking).
     options: its sampler's own options ({name: :class:`Option`}; ``rollout.family_options``),
@@ -311,7 +311,7 @@ def likelihood_fn(model: Any, attention_mask: Array) -> Callable[..., Array]:
 def generate(model: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, decoding: Any
              ) -> tuple[Array, Array]:
   """Completions of left-padded prompts [B, P] by the model's own sampler, with the common
-  decoding options ``decoding`` (``training/decoding.Decoding``) in its family's settings.
+  decoding options ``decoding`` (``training/run_spec.Decoding``) in its family's settings.
 
   Returns:
     tokens [B, P + G] and the model calls each sequence needed [B] int32.

@@ -33,8 +33,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from stabledrl_jax import hub, input_files, workdir_files
-from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import sharding as sharding_lib
+from stabledrl_jax.models import family as family_lib, sharding as sharding_lib
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -29,9 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import layers
-from stabledrl_jax.models import sharding as sharding_lib
+from stabledrl_jax.models import family as family_lib, layers, sharding as sharding_lib
 
 Array = jax.Array
 _WEIGHT = ".weight"

@@ -30,8 +30,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from stabledrl_jax import hub, input_files, workdir_files
-from stabledrl_jax.models import hf_io
-from stabledrl_jax.models import lora as lora_lib
+from stabledrl_jax.models import hf_io, lora as lora_lib
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

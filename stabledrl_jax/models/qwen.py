@@ -13,8 +13,7 @@ from typing import Any
 
 from flax import nnx
 
-from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import hf_io, layers
+from stabledrl_jax.models import family as family_lib, hf_io, layers
 
 
 class QwenLayer(nnx.Module):

@@ -52,7 +52,7 @@ row's fitting settings, or null)}.
 
 from stabledrl_jax.plan.catalog import chip_bytes, devices_for, prepare_cpu_devices, topology_name
 from stabledrl_jax.plan.estimates import projection, rl_step_flops, state_bytes
-from stabledrl_jax.plan.report import WHATS, Store, load, markdown
+from stabledrl_jax.plan.report import Store, WHATS, load, markdown
 from stabledrl_jax.plan.search import Planner, apply_settings, compile_program, parse_out_of_memory
 
 

@@ -107,7 +107,7 @@ def run_plan() -> None:
   if compiler == "tpu":  # Every name libtpu knows, before the first compile.
     for name in names:
       catalog.devices_for(name, compiler)
-  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
   specs.validate(config)  # Field errors before any compile (the slice's are rows).
   store = report.Store(_OUTPUT.value, resume=_RESUME.value)

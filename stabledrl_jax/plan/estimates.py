@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from stabledrl_jax.plan import catalog
-from stabledrl_jax.training import mesh as mesh_lib
+from stabledrl_jax.training.parallel import mesh as mesh_lib
 
 def shard_bytes(tree) -> int:
   """One device's bytes of an abstract pytree with shardings (each leaf's largest shard)."""
@@ -24,7 +24,8 @@ def state_bytes(what: str, config, devices) -> dict[str, int]:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
   from stabledrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import build, specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.step import build
   if what == "train":
     _, state, batch, _ = build.abstract_update(config, devices)
     return dict(parameters_bytes=shard_bytes(state.params),
@@ -50,7 +51,7 @@ def rl_step_flops(config, *, cache: str | None = None) -> dict[str, Any]:
   """The analytic FLOPs of one RL step of a trainer config (``profiling.rl_step_flops_of_run``
   of its model config and run spec), by part."""
   from stabledrl_jax import profiling  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
   resolved = specs.resolve(config, check=False)  # A count: the plan command checks first.
   return profiling.rl_step_flops_of_run(resolved.model, config.rollout, resolved.run,
                                         num_iterations=config.train.num_iterations, cache=cache)

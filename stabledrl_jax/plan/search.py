@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 from stabledrl_jax.plan import catalog, estimates, report
-from stabledrl_jax.training import mesh as mesh_lib
+from stabledrl_jax.training.parallel import mesh as mesh_lib
 
 # Remasking rules whose program differs from the configured one's (static vs dynamic loop).
 COUNTERPART = {"low_confidence": "threshold", "random": "threshold", "threshold": "low_confidence",
@@ -194,7 +194,7 @@ class Planner:
 
   def _candidates(self, what: str, topology: str, given: dict[str, Any]) -> list[dict]:
     """Settings from the least memory up to the given one's."""
-    from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+    from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
     c = self.config
     try:
       ways = _ways(c, catalog.num_devices(catalog.topology_name(topology)))
@@ -226,7 +226,7 @@ def compile_program(what: str, config, devices) -> Any:
     ValueError: a setting the slice cannot take (the config check), naming the field.
   """
   from stabledrl_jax import tpu_compile  # pylint: disable=g-import-not-at-top
-  from stabledrl_jax.training import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
   if what == "train":
     return tpu_compile.compile_train_step(config, devices)  # rl_step.abstract_programs.
   with config.unlocked():

@@ -18,18 +18,12 @@ garbled and hostile strings.
 """
 
 from stabledrl_jax.rewards.arithmetic import evaluate_arithmetic
-from stabledrl_jax.rewards.format_rewards import boxed_answer_format_reward
-from stabledrl_jax.rewards.format_rewards import soft_format_reward
-from stabledrl_jax.rewards.format_rewards import strict_format_reward
-from stabledrl_jax.rewards.format_rewards import tag_count_reward
-from stabledrl_jax.rewards.math_equivalence import math_answers_match
-from stabledrl_jax.rewards.math_equivalence import normalize_math_answer
+from stabledrl_jax.rewards.format_rewards import boxed_answer_format_reward, soft_format_reward
+from stabledrl_jax.rewards.format_rewards import strict_format_reward, tag_count_reward
+from stabledrl_jax.rewards.math_equivalence import math_answers_match, normalize_math_answer
 from stabledrl_jax.rewards.math_equivalence import symbolic_equivalent
-from stabledrl_jax.rewards.task_rewards import countdown_reward
-from stabledrl_jax.rewards.task_rewards import gsm8k_reward
-from stabledrl_jax.rewards.task_rewards import math_reward
-from stabledrl_jax.rewards.task_rewards import official_countdown_reward
-from stabledrl_jax.rewards.task_rewards import sudoku_reward
+from stabledrl_jax.rewards.task_rewards import countdown_reward, gsm8k_reward, math_reward
+from stabledrl_jax.rewards.task_rewards import official_countdown_reward, sudoku_reward
 
 __all__ = [
     "boxed_answer_format_reward",

@@ -13,9 +13,7 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-from stabledrl_jax.rewards import arithmetic
-from stabledrl_jax.rewards import extraction
-from stabledrl_jax.rewards import math_equivalence
+from stabledrl_jax.rewards import arithmetic, extraction, math_equivalence
 
 _EOT = "<|eot_id|>"
 _EOS = "<|endoftext|>"

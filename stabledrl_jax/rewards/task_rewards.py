@@ -17,9 +17,7 @@ import fractions
 import re
 from typing import Sequence
 
-from stabledrl_jax.rewards import arithmetic
-from stabledrl_jax.rewards import extraction
-from stabledrl_jax.rewards import math_equivalence
+from stabledrl_jax.rewards import arithmetic, extraction, math_equivalence
 
 COUNTDOWN_FORMAT_SCORE = 0.1
 _DIGIT = re.compile(r"\d")

@@ -24,31 +24,14 @@ import dataclasses
 import pathlib
 
 from stabledrl_jax.input_files import InputError
-from stabledrl_jax.tasks import countdown
-from stabledrl_jax.tasks import gsm8k
-from stabledrl_jax.tasks import math500
-from stabledrl_jax.tasks import sudoku
-from stabledrl_jax.tasks.base import DEFAULT_PROMPT_STYLE
-from stabledrl_jax.tasks.base import DEFAULT_REWARD_SCHEME
-from stabledrl_jax.tasks.base import Example
-from stabledrl_jax.tasks.base import get_task
-from stabledrl_jax.tasks.base import HubSource
-from stabledrl_jax.tasks.base import ItemScore
-from stabledrl_jax.tasks.base import list_tasks
-from stabledrl_jax.tasks.base import register_task
-from stabledrl_jax.tasks.base import suite
-from stabledrl_jax.tasks.base import unregister_task
-from stabledrl_jax.tasks.base import PROMPT_STYLES
-from stabledrl_jax.tasks.base import REWARD_SCHEMES
-from stabledrl_jax.tasks.base import RewardTerm
-from stabledrl_jax.tasks.base import Task
-from stabledrl_jax.tasks.countdown import CountdownGenerator
-from stabledrl_jax.tasks.countdown import solve_countdown
+from stabledrl_jax.tasks import countdown, gsm8k, math500, sudoku
+from stabledrl_jax.tasks.base import DEFAULT_PROMPT_STYLE, DEFAULT_REWARD_SCHEME, Example, HubSource
+from stabledrl_jax.tasks.base import ItemScore, PROMPT_STYLES, REWARD_SCHEMES, RewardTerm, Task
+from stabledrl_jax.tasks.base import get_task, list_tasks, register_task, suite, unregister_task
+from stabledrl_jax.tasks.countdown import CountdownGenerator, solve_countdown
 from stabledrl_jax.tasks.iteration import DataIterator
-from stabledrl_jax.tasks.records import load_hub_records
-from stabledrl_jax.tasks.records import read_records
-from stabledrl_jax.tasks.sudoku import count_solutions
-from stabledrl_jax.tasks.sudoku import SudokuGenerator
+from stabledrl_jax.tasks.records import load_hub_records, read_records
+from stabledrl_jax.tasks.sudoku import SudokuGenerator, count_solutions
 
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Small test sets that ship with the package (the d1 releases): pass their file name as a source.

@@ -16,8 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from stabledrl_jax.rewards import d1_protocol
-from stabledrl_jax.rewards import task_rewards
+from stabledrl_jax.rewards import d1_protocol, task_rewards
 from stabledrl_jax.tasks import base
 
 INSTRUCTION = (

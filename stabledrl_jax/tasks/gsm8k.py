@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from stabledrl_jax.rewards import d1_protocol
-from stabledrl_jax.rewards import format_rewards
-from stabledrl_jax.rewards import task_rewards
+from stabledrl_jax.rewards import d1_protocol, format_rewards, task_rewards
 from stabledrl_jax.tasks import base
 
 INSTRUCTION = (

@@ -15,8 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from stabledrl_jax.rewards import d1_protocol
-from stabledrl_jax.rewards import task_rewards
+from stabledrl_jax.rewards import d1_protocol, task_rewards
 from stabledrl_jax.tasks import base
 
 SIZE = 4

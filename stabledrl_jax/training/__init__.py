@@ -1,19 +1,23 @@
-"""Training: the RL loop and everything it is built from (imports nothing on its own).
+"""Training: the RL loop and everything it is built from, one subpackage per job.
 
-Modules: ``trainer`` (the RL loop: rollouts, l_old / l_ref, updates, metrics, checkpoints),
-``rollout`` (the host half of a step: sample, decode, score, advantages, the batch),
-``run_spec`` (what the update takes from the config, resolved once), ``train_step`` (the jitted
-update), ``rl_loss`` (the RL loss of a microbatch), ``supervised`` (SFT warm starts), ``sweep``
-(many runs from one supervised start), ``config_lib`` and ``specs`` (configs, their checks and
-their resolution), ``data`` (tasks -> token arrays), ``decoding`` (batched evaluation decoding),
-``checkpointing`` (preemption-safe train state), ``checkpoint_source`` (the model and tokenizer
-a checkpoint path holds, for inference), ``optimizer``, ``mesh``, ``multihost``,
-``reward_pool``, ``metrics_writer``, ``spikes``.
+The rooms, each importing only those listed before it (``tests/test_packaging.py`` checks):
+
+- ``inputs``: tasks and examples to fixed-shape token arrays; rewards scored on the host.
+- ``parallel``: the device mesh and the processes of a multi-host run.
+- ``config``: what a run is: the config files' defaults, every field's check, and the record
+  (``run_spec.Resolved``) it resolves to once; the optimizer.
+- ``step``: the programs of one RL step: the rollouts, the likelihood scoring, the loss and the
+  jitted update, and the parts (model, optimizer, shardings) they are built on.
+- ``state``: what outlives a process: checkpoints, LoRA bases, the supervised start, a
+  checkpoint read back for inference.
+- ``loop``: the run over steps: its build, the trainer, the collapse guard, preemption, metrics
+  and sweeps.
 
 Extending: an objective or an estimator is a registration outside this package
 (``stabledrl_jax.objectives``, ``stabledrl_jax.estimators``); a new config field is added in
-``config_lib`` with its check in ``specs``; what a step samples and scores is
-``rollout.RolloutCollector``.
+``config/config_lib.py`` with its check in ``config/specs.py``; what a step samples and scores
+is ``step/rollout.py``'s ``RolloutCollector``.
 
-Kept empty of imports so that ``config_lib`` (and ``--config NAME``) loads without jax.
+Kept empty of imports (as ``config/__init__.py`` is) so that ``config_lib``, and with it
+``--config NAME``, loads without jax.
 """

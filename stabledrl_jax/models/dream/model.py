@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.models import layers, qwen
-from stabledrl_jax.models import scan as scan_lib
+from stabledrl_jax.models import layers, qwen, scan as scan_lib
 from stabledrl_jax.models.dream.config import DreamConfig
 from stabledrl_jax.models.sharding import constrain
 

@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabledrl_jax.models import layers
-from stabledrl_jax.models import scan as scan_lib
+from stabledrl_jax.models import layers, scan as scan_lib
 from stabledrl_jax.models.llada.config import ModelConfig
 from stabledrl_jax.models.sharding import constrain
 

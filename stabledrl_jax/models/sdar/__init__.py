@@ -15,11 +15,10 @@ import jax
 
 from stabledrl_jax import block_estimators, tokenizers
 from stabledrl_jax.models import family
-from stabledrl_jax.models.llada import QWEN_NAMES
-from stabledrl_jax.models.llada import flops
+from stabledrl_jax.models.llada import QWEN_NAMES, flops
 from stabledrl_jax.models.sdar import checkpoint, sampler
-from stabledrl_jax.models.sdar.config import SDAR_CONFIG_NAMES, SDARConfig, get_sdar_config
-from stabledrl_jax.models.sdar.model import SDAR, KVCache
+from stabledrl_jax.models.sdar.config import SDARConfig, SDAR_CONFIG_NAMES, get_sdar_config
+from stabledrl_jax.models.sdar.model import KVCache, SDAR
 
 Array = jax.Array
 

@@ -43,8 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stabledrl_jax.models import layers, qwen
-from stabledrl_jax.models import scan as scan_lib
+from stabledrl_jax.models import layers, qwen, scan as scan_lib
 from stabledrl_jax.models.sdar import staircase as staircase_lib
 from stabledrl_jax.models.sdar.config import SDARConfig
 from stabledrl_jax.models.sharding import constrain

@@ -5,7 +5,7 @@ fields; every field exists in every config, so ``--config.a.b=value`` works
 for all of them. This module imports only ml_collections and the standard library, so that
 loading a config file (``--help``, a notebook, a sweep) loads no JAX. What a run needs from a
 config, and the check that names a bad field before anything compiles, are in
-``training/specs.py``.
+``training/config/specs.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
   # the last one (0: off); SIGTERM (preemption) saves at the next step boundary.
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, every_seconds=0.0,
                                                 max_to_keep=3))
-  # Global axis sizes (training/mesh.py); dcn_data: how many slices the data axis spans.
+  # Global axis sizes (training/parallel/mesh.py); dcn_data: how many slices the data axis spans.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1))
   c.sft = ml_collections.ConfigDict(dict(
       num_steps=0, batch_size=64, learning_rate=1e-3,
@@ -198,8 +198,8 @@ def _train_section() -> ml_collections.ConfigDict:
       # Seconds a SIGTERM waits for the step boundary and its checkpoint before the command
       # ends at once (one process; a preemption's notice is about 30 s; 0: wait however long).
       stop_grace_s=60.0,
-      # The collapse guard (training/collapse.py; docs/reliability.md, "Collapse guard"), off by
-      # default: after every step the study's rule (eval or the reward's window mean falling
+      # The collapse guard (training/loop/collapse.py; docs/reliability.md, "Collapse guard"), off
+      # by default: after every step the study's rule (eval or the reward's window mean falling
       # past its margin after rising, or max_skipped skipped updates); on collapse 'restore'
       # (the best checkpoint by eval, the learning rate times lr_factor, at most max_restores
       # times) or 'stop'. A rerun of a run it stopped trains nothing unless go_on.
@@ -337,7 +337,7 @@ def _called_name(node: ast.AST) -> str:
 
 
 def _package_dir(name: str) -> pathlib.Path:
-  return pathlib.Path(__file__).resolve().parents[1] / name
+  return pathlib.Path(__file__).resolve().parents[2] / name
 
 
 def config_names() -> tuple[str, ...]:
@@ -352,7 +352,7 @@ def _configs_dir() -> pathlib.Path:
     spec = None
   if spec is not None and spec.submodule_search_locations:
     return pathlib.Path(list(spec.submodule_search_locations)[0])
-  return pathlib.Path(__file__).resolve().parents[2] / "configs"  # A checkout on PYTHONPATH.
+  return pathlib.Path(__file__).resolve().parents[3] / "configs"  # A checkout on PYTHONPATH.
 
 
 def config_path(name_or_path: str) -> str:

@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 from jax.experimental import multihost_utils
 
-from stabledrl_jax.training import multihost
+from stabledrl_jax.training.parallel import multihost
 
 
 # Set once any watcher of this process has taken a Ctrl-C: a later one, answered by a command

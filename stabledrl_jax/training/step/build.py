@@ -21,9 +21,11 @@ from flax import nnx
 
 from stabledrl_jax import hub, input_files, models, workdir_files
 from stabledrl_jax.models import hf_io, lora as lora_lib, peft_io
-from stabledrl_jax.training import checkpointing, data, mesh as mesh_lib
-from stabledrl_jax.training import optimizer as optimizer_lib, rl_loss, run_spec as run_spec_lib
-from stabledrl_jax.training import specs, train_step
+from stabledrl_jax.training.config import optimizer as optimizer_lib, run_spec as run_spec_lib
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.parallel import mesh as mesh_lib
+from stabledrl_jax.training.step import rl_loss, train_step
 
 
 # ---------------------------------------------------------------------------
@@ -162,7 +164,7 @@ def check_loaded(config: ml_collections.ConfigDict, model: nnx.Module, path: Any
 def load_pretrained(path: epath.Path, mesh, config: ml_collections.ConfigDict) -> nnx.Module:
   """``models.from_pretrained`` of a local or remote (copied to a local directory) checkpoint,
   with the run's dtypes and model options, as ``build_model``; checked by ``check_loaded``."""
-  if checkpointing.is_local(path):
+  if workdir_files.is_local(path):
     model = models.from_pretrained(str(path), mesh=mesh, **_load_options(config))
   else:
     with workdir_files.local_staging() as local:

@@ -34,11 +34,11 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import hub, input_files, models, tokenizers, workdir_files
-from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import hf_io, peft_io
-from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import build, checkpointing, config_lib, data, lora_base, specs
-from stabledrl_jax.training import supervised
+from stabledrl_jax.models import family as family_lib, hf_io, lora as lora_lib, peft_io
+from stabledrl_jax.training.config import config_lib, specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.state import checkpointing, lora_base, supervised
+from stabledrl_jax.training.step import build
 
 WORKDIR = "workdir"
 HUGGING_FACE = "huggingface"

@@ -35,7 +35,7 @@ from etils import epath
 
 from stabledrl_jax import workdir_files
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import lora_base
+from stabledrl_jax.training.state import lora_base
 # The workdir's one way to write, and its error (``workdir_files``), as this module's names.
 from stabledrl_jax.workdir_files import WorkdirError, is_local, writing  # pylint: disable=unused-import
 

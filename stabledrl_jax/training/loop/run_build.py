@@ -24,10 +24,12 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import tasks, workdir_files
-from stabledrl_jax.training import build, checkpointing, collapse, data, lora_base
-from stabledrl_jax.training import metrics_writer, multihost, reward_pool, rl_step
-from stabledrl_jax.training import rollout as rollout_lib, run_spec, specs, step_metrics
-from stabledrl_jax.training import supervised
+from stabledrl_jax.training.config import run_spec, specs
+from stabledrl_jax.training.inputs import data, reward_pool
+from stabledrl_jax.training.loop import collapse, metrics_writer, step_metrics
+from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.state import checkpointing, lora_base, supervised
+from stabledrl_jax.training.step import build, rl_step, rollout as rollout_lib
 
 # Keys of a checkpoint's meta: the records metrics.jsonl and samples.jsonl held when it was
 # saved (a resume keeps exactly those), and the collapse guard's events and learning-rate scale.

@@ -24,7 +24,10 @@ from flax import nnx
 
 from stabledrl_jax import estimators, models, objectives
 from stabledrl_jax.models import sampler_lib
-from stabledrl_jax.training import data, decoding, multihost, reward_pool, rl_loss, run_spec
+from stabledrl_jax.training.config import run_spec
+from stabledrl_jax.training.inputs import data, reward_pool
+from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.step import decoding, rl_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,28 +23,19 @@ import statistics
 from typing import Any, Mapping, Sequence
 
 from stabledrl_jax import workdir_files
+from stabledrl_jax.training.config import run_spec as run_spec_lib
 
 # The reward the rules (and the sweeps) watch: the task's correctness term (every task has one),
 # without the terms every completion gets (StableDRL's anti-short-boxed reward).
 REWARD_METRIC = "rewards/correctness"
 EVAL_METRIC = "eval/accuracy"
-ACTIONS = ("restore", "stop")
 EVENTS_FILE = "collapse_guard.json"  # <workdir>/: every collapse the guard acted on
 BEST_DIR = "best_eval_checkpoint"  # <workdir>/: the state of the best eval so far
 GUARD_PREFIX = "collapse_guard/"  # the metrics records the guard writes when it acts
 
 
-@dataclasses.dataclass(frozen=True)
-class Rules:
-  """The collapse criteria (the study's defaults)."""
-
-  eval_margin: float = 2.0
-  reward_margin: float = 0.02
-  window: int = 20
-  max_skipped: int = 1
-
-
-def first_collapse(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
+def first_collapse(records: Sequence[Mapping[str, Any]],
+                   rules: run_spec_lib.Rules) -> dict[str, Any] | None:
   """The first sign of collapse in a trajectory, ``{"step", "why"}``, or None: the earliest step
   at which any rule fires (on a tie: skipped updates, then the eval, then the reward).
 
@@ -60,7 +51,8 @@ def first_collapse(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[s
   return min(signs, key=lambda sign: sign["step"]) if signs else None
 
 
-def _skipped_sign(steps: list[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
+def _skipped_sign(steps: list[Mapping[str, Any]],
+                  rules: run_spec_lib.Rules) -> dict[str, Any] | None:
   for r in steps:
     skipped = int(float(r.get("skipped_steps", 0)))
     if skipped >= rules.max_skipped:
@@ -69,7 +61,8 @@ def _skipped_sign(steps: list[Mapping[str, Any]], rules: Rules) -> dict[str, Any
   return None
 
 
-def _eval_sign(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
+def _eval_sign(records: Sequence[Mapping[str, Any]],
+               rules: run_spec_lib.Rules) -> dict[str, Any] | None:
   evals = sorted((int(r["step"]), float(r[EVAL_METRIC])) for r in records if EVAL_METRIC in r)
   if evals:
     start, rose = evals[0][1], False
@@ -80,7 +73,8 @@ def _eval_sign(records: Sequence[Mapping[str, Any]], rules: Rules) -> dict[str, 
   return None
 
 
-def _reward_sign(steps: list[Mapping[str, Any]], rules: Rules) -> dict[str, Any] | None:
+def _reward_sign(steps: list[Mapping[str, Any]],
+                 rules: run_spec_lib.Rules) -> dict[str, Any] | None:
   rewards = [float(r[REWARD_METRIC]) for r in steps]
   window = rules.window
   if len(rewards) >= 2 * window:
@@ -131,60 +125,6 @@ def restores_since_go_on(events: Sequence[Mapping[str, Any]]) -> int:
   for event in events:
     count = 0 if event.get("action") == "go_on" else count + (event.get("action") == "restore")
   return count
-
-
-@dataclasses.dataclass(frozen=True)
-class GuardSettings:
-  """``train.collapse_guard``: off by default.
-
-  Attributes:
-    enabled: check the rules after every step.
-    action: 'restore' (the best checkpoint by eval, the learning rate times ``lr_factor``, the
-      run goes on from there) or 'stop' (the run ends, its last checkpoint kept).
-    lr_factor: in (0, 1], what each restore multiplies the learning rate by.
-    max_restores: restores allowed (since the last 'go on'); a collapse after them stops the run.
-    go_on: a rerun of a run the guard stopped trains on from its last checkpoint (the rules
-      then judge the run from there, and the restores are counted afresh); without it the rerun
-      says that the guard stopped it and trains nothing.
-    rules: the criteria.
-  """
-
-  enabled: bool = False
-  action: str = "restore"
-  lr_factor: float = 0.5
-  max_restores: int = 2
-  go_on: bool = False
-  rules: Rules = Rules()
-
-  @classmethod
-  def of(cls, section: Any) -> "GuardSettings":
-    """From ``config.train.collapse_guard``; ValueError naming the field for a bad value."""
-    where = "config.train.collapse_guard"
-    if section is None:
-      return cls()
-    get = lambda name, default: section.get(name, default)
-    action = get("action", cls.action)
-    if action not in ACTIONS:
-      raise ValueError(f"{where}.action: {action!r} is not one of {ACTIONS}")
-    factor = float(get("lr_factor", cls.lr_factor))
-    if not 0 < factor <= 1:
-      raise ValueError(f"{where}.lr_factor: needs 0 < lr_factor <= 1, got {factor}")
-    restores = get("max_restores", cls.max_restores)
-    if not isinstance(restores, int) or restores < 0:
-      raise ValueError(f"{where}.max_restores: needs an integer >= 0, got {restores!r}")
-    rules = Rules(eval_margin=float(get("eval_margin", Rules.eval_margin)),
-                  reward_margin=float(get("reward_margin", Rules.reward_margin)),
-                  window=get("window", Rules.window), max_skipped=get("max_skipped",
-                                                                      Rules.max_skipped))
-    for name in ("eval_margin", "reward_margin"):
-      if not getattr(rules, name) >= 0:
-        raise ValueError(f"{where}.{name}: needs >= 0, got {getattr(rules, name)}")
-    for name in ("window", "max_skipped"):
-      value = getattr(rules, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}.{name}: needs an integer >= 1, got {value!r}")
-    return cls(enabled=bool(get("enabled", cls.enabled)), action=action, lr_factor=factor,
-               max_restores=restores, go_on=bool(get("go_on", cls.go_on)), rules=rules)
 
 
 def load_events(path: Any) -> tuple[list[dict[str, Any]], float]:
@@ -283,8 +223,8 @@ class Guard:
     trajectory: the run's records as it now stands.
   """
 
-  def __init__(self, settings: GuardSettings, events: Sequence[Mapping[str, Any]] = (), *,
-               best: tuple[int, float | None] | None = None,
+  def __init__(self, settings: run_spec_lib.GuardSettings,
+               events: Sequence[Mapping[str, Any]] = (), *, best: tuple[int, float | None] | None = None,
                trajectory: Trajectory | None = None):
     self.settings = settings
     self.events = [dict(e) for e in events]
@@ -298,8 +238,8 @@ class Guard:
     return stopped_by(self.events)
 
   @classmethod
-  def resume(cls, settings: GuardSettings, *, saved: Sequence[Mapping[str, Any]] | None,
-             written: Sequence[Mapping[str, Any]], start_step: int) -> Guard:
+  def resume(cls, settings: run_spec_lib.GuardSettings, *,
+             saved: Sequence[Mapping[str, Any]] | None, written: Sequence[Mapping[str, Any]], start_step: int) -> Guard:
     """The guard of a run started (``saved`` = []) or resumed at ``start_step`` from a
     checkpoint whose meta holds the events ``saved`` (``events_on_resume``; ``written``: the
     events file's). A run the guard stopped stays stopped (``stopped``) unless

@@ -27,9 +27,12 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import path_args
-from stabledrl_jax.training import build, checkpointing, collapse, data, decoding, lora_base
-from stabledrl_jax.training import mesh as mesh_lib, multihost, preemption
-from stabledrl_jax.training import rl_step as rl_step_lib, run_build, specs, supervised
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import collapse, preemption, run_build
+from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
+from stabledrl_jax.training.state import checkpointing, lora_base, supervised
+from stabledrl_jax.training.step import build, decoding, rl_step as rl_step_lib
 
 
 class TooManySkipsError(RuntimeError):

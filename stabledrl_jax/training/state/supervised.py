@@ -33,7 +33,11 @@ from flax import nnx
 
 from stabledrl_jax import estimators, models, tasks, workdir_files
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training import build, checkpointing, data, multihost, rl_loss, specs
+from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.state import checkpointing
+from stabledrl_jax.training.step import build, rl_loss
 
 Array = jax.Array
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import build, rollout as rollout_lib, run_spec, train_step
+from stabledrl_jax.training.config import run_spec
+from stabledrl_jax.training.step import build, rollout as rollout_lib, train_step
 
 # Folded into the step key for the stress selection, so that the other keys stay as they were.
 STRESS_KEY = 0x57e55

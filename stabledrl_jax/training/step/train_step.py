@@ -19,7 +19,8 @@ import optax
 from flax import nnx
 
 from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import rl_loss, run_spec
+from stabledrl_jax.training.config import run_spec
+from stabledrl_jax.training.step import rl_loss
 
 Array = jax.Array
 

@@ -7,9 +7,8 @@ its last row, dropped after), split over the mesh, decoded by the model family's
 (``models.family.generate``), with the batch's noise drawn from ``fold_in(key, batch)``. On a
 mesh that spans several processes each process decodes, and gets back, only its own rows.
 
-``Decoding`` holds the sampler options with one set of defaults; ``steps=0`` means
-``default_steps``: d1's gen_length / 2, or one step per block if blocks are longer than 2 tokens
-short of that.
+The sampler options of a decode are one record, ``run_spec.Decoding`` (its defaults written
+once; ``steps=0`` means ``run_spec.default_steps``).
 """
 
 from __future__ import annotations
@@ -23,150 +22,20 @@ import tqdm
 
 from stabledrl_jax import models
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training import data, mesh as mesh_lib, multihost
-
-
-# The highest sampling temperature a decoding takes: far above 1 every completion is close to
-# uniform noise, and a huge one overflows the logits' scale (rollout.temperature is bounded
-# tighter, at 10: ``specs.FLOAT_RANGES``).
-MAX_TEMPERATURE = 100.0
-
-
-def set_options(section: Any) -> dict[str, Any]:
-  """The family options a config section sets (``rollout.family_options``): those not None (a
-  name every registered family declares is listed, unset, in ``config_lib.base_config``)."""
-  return {k: v for k, v in dict(section or {}).items() if v is not None}
-
-
-def default_steps(gen_length: int, block_length: int) -> int:
-  """Denoising steps when none are given: gen_length / 2 (d1's protocol), at least one per
-  block."""
-  return max(gen_length // 2, gen_length // block_length, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-  """One decoding setup of the samplers (``models.family.generate``).
-
-  Attributes:
-    gen_length: completion tokens G.
-    steps: denoising steps over the completion (0: ``default_steps``).
-    block_length: LLaDA's semi-autoregressive blocks (SDAR decodes by its model's blocks).
-    temperature: 0 for greedy; at most ``MAX_TEMPERATURE``.
-    remasking: the family's rule (``rollout.remasking``'s values).
-    threshold: tau of the threshold rules.
-    cfg_scale: classifier-free guidance (LLaDA only; 0: off).
-    stop_at_eos: LLaDA: stop once every row has a stop token, and fill after it with EOS (the
-      text up to the first stop token is the same either way).
-    cache: block-wise KV caching of LLaDA's sampler ("none": exact, "prefix", "dual";
-      ``models/llada/sampler.py``); SDAR's sampler always caches its finished blocks, exactly.
-    family_options: (name, value) pairs of the family's own sampler options
-      (``rollout.family_options``: Dream's top_p, top_k, alg_temp, eps), sorted by name; a
-      None value (unset) is dropped.
-  """
-
-  gen_length: int
-  steps: int = 0
-  block_length: int = 32
-  temperature: float = 0.0
-  remasking: str = "low_confidence"
-  threshold: float = 0.9
-  cfg_scale: float = 0.0
-  stop_at_eos: bool = False
-  cache: str = "none"
-  family_options: tuple[tuple[str, Any], ...] = ()
-
-  def __post_init__(self):
-    object.__setattr__(self, "family_options", tuple(sorted(
-        (k, v) for k, v in dict(self.family_options).items() if v is not None)))
-    if not self.steps:
-      object.__setattr__(self, "steps", default_steps(self.gen_length, self.block_length))
-
-  @classmethod
-  def d1(cls, gen_length: int, *, steps: int = 0, **overrides) -> "Decoding":
-    """d1's protocol: steps = gen_length / 2 unless `steps` is given, blocks of 32, greedy."""
-    return cls(gen_length, steps, **overrides)
-
-  @classmethod
-  def of_eval(cls, config: Any, **overrides) -> "Decoding":
-    """The trainer's held-out evaluation decode: ``config.rollout``'s sampler, greedy, at
-    ``eval.steps``, exact (no KV cache) unless ``overrides`` say otherwise; its family options
-    are the rollout's with ``eval.family_options`` over them."""
-    options = {**set_options(config.rollout.get("family_options")),
-               **set_options(config.eval.get("family_options"))}
-    return cls.of_rollout(config.rollout, temperature=0.0, steps=config.eval.steps,
-                          **{"cache": "none", "family_options": tuple(options.items()),
-                             **overrides})
-
-  @classmethod
-  def of_rollout(cls, rollout: Any, *, temperature: float, steps: int = 0,
-                 **overrides) -> "Decoding":
-    """The rollout config's sampler settings (``config.rollout``), at ``temperature``."""
-    fields = dict(gen_length=rollout.gen_length, steps=steps, block_length=rollout.block_length,
-                  temperature=temperature, remasking=rollout.remasking,
-                  threshold=rollout.threshold, cache=rollout.get("cache", "none"),
-                  family_options=tuple(set_options(rollout.get("family_options")).items()))
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**fields)
-
-  def with_options(self, **overrides) -> "Decoding":
-    """These settings with ``overrides`` (remasking, threshold, cache, ...; None: kept)."""
-    return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-  def check(self, model_config: Any) -> None:
-    """Raises ValueError (one line) unless the sampler of ``model_config``'s family accepts these
-    settings (``Family.sampling``; cheap: nothing compiles, no weight is read), at a
-    temperature of at most ``MAX_TEMPERATURE`` (each sampler refuses one below 0)."""
-    if self.temperature > MAX_TEMPERATURE:
-      raise ValueError(f"temperature: must be at most {MAX_TEMPERATURE:g} (0: greedy; far above 1 "
-                       f"the completions are close to uniform noise), got {self.temperature!r}")
-    family_lib.of(model_config).sampling(self, model_config)
-
-  def describe(self) -> dict[str, Any]:
-    """The settings a generation file records; tau only where the remasking rule uses it."""
-    out = dataclasses.asdict(self)
-    del out["stop_at_eos"]
-    out["family_options"] = dict(self.family_options)
-    if not out["family_options"]:  # As files written before family options existed.
-      del out["family_options"]
-    if "threshold" not in self.remasking and "dynamic" not in self.remasking:
-      del out["threshold"]
-    if self.cache == "none":  # As files written before caching existed.
-      del out["cache"]
-    return out
+from stabledrl_jax.training.config import run_spec
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
 
 
 def generate(model: Any, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-             decoding: Decoding) -> tuple[jax.Array, jax.Array]:
+             decoding: run_spec.Decoding) -> tuple[jax.Array, jax.Array]:
   """Completions of left-padded prompts [B, P] by the model's sampler: tokens [B, P + G] and the
   model calls each row needed [B]."""
   return family_lib.generate(model, prompt_tokens, prompt_mask, key, decoding)
 
 
-def check_chunks(rollout: Any, ways: int) -> None:
-  """Raises ValueError (one line naming the field) unless ``rollout.microbatch_groups`` (groups
-  of ``group_size`` rows per sampler call; 0: the whole batch at once) divides
-  ``rollout.num_prompts`` and gives each of the ``ways`` = data x fsdp devices the same number of
-  rows, at least one, per call."""
-  groups = rollout.get("microbatch_groups", 0)
-  if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
-    raise ValueError(f"rollout.microbatch_groups must be an integer >= 0, got {groups!r}")
-  if groups and rollout.num_prompts % groups:
-    raise ValueError(f"rollout.microbatch_groups={groups} does not divide rollout.num_prompts="
-                     f"{rollout.num_prompts}")
-  if groups and (groups * rollout.group_size) % ways:
-    raise ValueError(f"rollout.microbatch_groups={groups} gives {groups * rollout.group_size} "
-                     f"rows per sampler call, not a multiple of the {ways} data x fsdp devices")
-
-
-def chunk_rows_of(rollout: Any) -> int:
-  """Rows per sampler call of a rollout batch (``rollout.microbatch_groups`` x group_size; 0:
-  all at once)."""
-  return rollout.get("microbatch_groups", 0) * rollout.group_size
-
-
 def generate_rows(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
-                  key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
+                  key: jax.Array, decoding: run_spec.Decoding, *, mesh: jax.sharding.Mesh,
                   split: multihost.RowSplit, chunk_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
   """Decodes one batch of ``split.num_rows`` rows split over ``mesh``, given and returning this
   process's rows ``split.rows`` only: prompts [n, P] -> (tokens [n, P + G], model calls [n]).
@@ -207,7 +76,7 @@ def generate_rows(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray
 
 
 def _generate_rows(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
-                   key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
+                   key: jax.Array, decoding: run_spec.Decoding, *, mesh: jax.sharding.Mesh,
                    split: multihost.RowSplit) -> tuple[np.ndarray, np.ndarray]:
   """``generate_rows`` in one sampler call."""
   rows_sharding = models.batch_sharding(mesh, ndim=1)
@@ -235,7 +104,7 @@ class Decoded:
 
 
 def generate_batches(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
-                     key: jax.Array, decoding: Decoding, *, mesh: jax.sharding.Mesh,
+                     key: jax.Array, decoding: run_spec.Decoding, *, mesh: jax.sharding.Mesh,
                      batch_size: int, progress: tqdm.tqdm | None = None) -> Decoded:
   """Decodes every prompt [N, P] in batches of ``batch_size`` split over ``mesh``.
 
@@ -272,7 +141,7 @@ def generate_batches(model: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndar
 
 
 def score_batches(model: Any, tokenizer, task: Any, examples: Any, prompt_tokens: np.ndarray,
-                  prompt_mask: np.ndarray, key: jax.Array, decoding: Decoding, *,
+                  prompt_mask: np.ndarray, key: jax.Array, decoding: run_spec.Decoding, *,
                   mesh: jax.sharding.Mesh, batch_size: int,
                   reward_scheme: str) -> np.ndarray:
   """``generate_batches``, then each decoded row scored by its task: this process's totals
@@ -300,8 +169,8 @@ def metrics_of(totals: np.ndarray, num_examples: int) -> dict[str, float]:
 
 
 def evaluate(model: Any, tokenizer, task: Any, prompts: data.PromptSet, key: jax.Array,
-             decoding: Decoding, *, mesh: jax.sharding.Mesh, batch_size: int, reward_scheme: str,
-             split: multihost.RowSplit | None = None) -> dict[str, float]:
+             decoding: run_spec.Decoding, *, mesh: jax.sharding.Mesh, batch_size: int,
+             reward_scheme: str, split: multihost.RowSplit | None = None) -> dict[str, float]:
   """The held-out evaluation (the trainer's, and the experiments' on a restored model): the
   encoded ``prompts`` decoded by ``decoding`` (``score_batches``) and scored; the totals summed
   over the processes, where ``split`` says which process counts each row (one process: None).

@@ -17,7 +17,8 @@ import ml_collections
 from etils import epath
 
 from stabledrl_jax import objectives, workdir_files
-from stabledrl_jax.training import collapse, metrics_writer, supervised, trainer
+from stabledrl_jax.training.loop import collapse, metrics_writer, trainer
+from stabledrl_jax.training.state import supervised
 
 _RESULT_FILE = "run_result.json"
 _BEGUN_FILE = "run_config.json"  # Written when a run starts: a cut run of this config resumes.
@@ -135,7 +136,7 @@ def same_config(stored: str | None, identity: str) -> bool:
     old, new = _leaves(json.loads(stored)), _leaves(json.loads(identity))
   except ValueError:
     return False
-  from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
   defaults = _leaves(json.loads(config_lib.base_config().to_json_best_effort()))
   added = set(new) - set(old)
   return (set(old) <= set(new) and all(old[k] == new[k] for k in old)

@@ -4,8 +4,8 @@
 The estimator settings, the likelihood spec and the objective's hyperparameters are derived here
 from the config and the registries (``objectives``, ``models.family`` for model families
 and, through a family's ``likelihood``, the estimator methods), so that the config files
-themselves (``training/config_lib.py``) import nothing heavy. ``model_config`` builds the config
-of a fresh model from ``config.model``.
+themselves (``training/config/config_lib.py``) import nothing heavy. ``model_config`` builds the
+config of a fresh model from ``config.model``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ import ml_collections
 from flax import nnx
 
 from stabledrl_jax import estimators, hub, objectives, tasks
-from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.models import layers
-from stabledrl_jax.models import lora as lora_lib
-from stabledrl_jax.training import collapse, data, decoding, run_spec
-from stabledrl_jax.training import optimizer as optimizer_lib
+from stabledrl_jax.models import family as family_lib, layers, lora as lora_lib
+from stabledrl_jax.training.config import optimizer as optimizer_lib, run_spec
+from stabledrl_jax.training.inputs import data
 
 # Every field of config.estimator but these is an estimator setting; left unset (None or ''), it
 # takes the objective's official value (``objectives.Objective.estimator``). A plugin method's
@@ -407,7 +405,7 @@ def _validate_rollout(config: ml_collections.ConfigDict, family: family_lib.Fami
   # The family's own options: each set one is declared by the family, in its range (a bound
   # the model sets, top_k's vocabulary, where the model config is known).
   for section in ("rollout", "eval"):
-    family_lib.check_options(family, decoding.set_options(config[section].get("family_options")),
+    family_lib.check_options(family, run_spec.set_options(config[section].get("family_options")),
                              f"{section}.family_options", named)
   if named is not None:  # The family's sampler takes the rollout's decoding, its options too.
     check_rollout_decoding(config, named)
@@ -419,7 +417,7 @@ def check_rollout_decoding(config: ml_collections.ConfigDict, model_config: Any)
   the sampler of ``model_config``'s family does not take."""
   r = config.rollout
   try:
-    decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps).check(model_config)
+    run_spec.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps).check(model_config)
   except ValueError as err:
     where = "config." if str(err).startswith("rollout.") else "config.rollout: "
     raise ValueError(f"{where}{err}") from None
@@ -439,14 +437,14 @@ def validate_model(config: ml_collections.ConfigDict, model_config: Any, where: 
            f"{config.model.family!r}, but {where} holds a {family.name} model")
   family.check_rollout(config.rollout, model_config)
   for section in ("rollout", "eval"):
-    family_lib.check_options(family, decoding.set_options(config[section].get("family_options")),
+    family_lib.check_options(family, run_spec.set_options(config[section].get("family_options")),
                              f"{section}.family_options", model_config)
   check_rollout_decoding(config, model_config)
   _validate_eval_steps(config, model_config)
 
 
 def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
-  """eval.steps (0: ``decoding.default_steps``) counts denoising steps over the completion, as
+  """eval.steps (0: ``run_spec.default_steps``) counts denoising steps over the completion, as
   rollout.steps does; where the model config is known (``named``) and the run evaluates, its
   family's sampler takes the evaluation's decoding (LLaDA: a multiple of the blocks)."""
   steps, gen_length = config.eval.steps, config.rollout.gen_length
@@ -455,7 +453,7 @@ def _validate_eval_steps(config: ml_collections.ConfigDict, named: Any) -> None:
            "completion token (0: gen_length / 2)")
   if named is None or not config.eval.every_steps:
     return
-  settings = decoding.Decoding.of_eval(config)
+  settings = run_spec.Decoding.of_eval(config)
   try:
     settings.check(named)
   except ValueError as err:
@@ -533,10 +531,32 @@ def _validate_data(config: ml_collections.ConfigDict) -> None:
              "Instruct) or a local directory")
 
 
+def check_chunks(rollout: Any, ways: int) -> None:
+  """Raises ValueError (one line naming the field) unless ``rollout.microbatch_groups`` (groups
+  of ``group_size`` rows per sampler call; 0: the whole batch at once) divides
+  ``rollout.num_prompts`` and gives each of the ``ways`` = data x fsdp devices the same number of
+  rows, at least one, per call."""
+  groups = rollout.get("microbatch_groups", 0)
+  if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
+    raise ValueError(f"rollout.microbatch_groups must be an integer >= 0, got {groups!r}")
+  if groups and rollout.num_prompts % groups:
+    raise ValueError(f"rollout.microbatch_groups={groups} does not divide rollout.num_prompts="
+                     f"{rollout.num_prompts}")
+  if groups and (groups * rollout.group_size) % ways:
+    raise ValueError(f"rollout.microbatch_groups={groups} gives {groups * rollout.group_size} "
+                     f"rows per sampler call, not a multiple of the {ways} data x fsdp devices")
+
+
+def chunk_rows_of(rollout: Any) -> int:
+  """Rows per sampler call of a rollout batch (``rollout.microbatch_groups`` x group_size; 0:
+  all at once)."""
+  return rollout.get("microbatch_groups", 0) * rollout.group_size
+
+
 def _validate_collapse_guard(config: ml_collections.ConfigDict) -> None:
   """train.collapse_guard's values; its restore needs evaluations (the best checkpoint by
   eval)."""
-  guard = collapse.GuardSettings.of(config.train.get("collapse_guard"))
+  guard = run_spec.GuardSettings.of(config.train.get("collapse_guard"))
   if guard.enabled and guard.action == "restore":
     _require(config.eval.every_steps > 0, "train.collapse_guard.action",
              "'restore' restores the best checkpoint by eval: it needs eval.every_steps > 0 "
@@ -561,13 +581,13 @@ def _validate_logging(config: ml_collections.ConfigDict) -> None:
 def _validate_mesh(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """The mesh of ``num_devices`` devices, and batches that split over its data x fsdp axes."""
   r, t = config.rollout, config.train
-  from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
+  from stabledrl_jax.training.parallel import mesh as mesh_lib  # Needs no devices, only counts.
   try:
     sizes = dict(zip(mesh_lib.MESH_AXES, mesh_lib.mesh_shape(config.mesh, num_devices)))
   except ValueError as err:
     raise ValueError(str(err)) from None
   ways = sizes["data"] * sizes["fsdp"]
-  decoding.check_chunks(r, ways)  # rollout.microbatch_groups: the sampler's calls split too.
+  check_chunks(r, ways)  # rollout.microbatch_groups: the sampler's calls split too.
   _require(sizes["data"] % int(config.mesh.get("dcn_data", 1) or 1) == 0, "mesh.dcn_data",
            f"{config.mesh.dcn_data} does not divide the data axis ({sizes['data']})")
   per_microbatch = r.num_prompts // num_microbatches(config)
@@ -714,9 +734,9 @@ def resolve_rollout(config: ml_collections.ConfigDict) -> run_spec.RolloutSpec:
   return run_spec.RolloutSpec(
       num_prompts=r.num_prompts, group_size=r.group_size, prompt_length=r.prompt_length,
       with_instruction=bool(config.task.with_instruction), prompt_style=config.task.prompt_style,
-      sampling=decoding.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps),
-      evaluation=decoding.Decoding.of_eval(config),
-      chunk_rows=decoding.chunk_rows_of(r), stress_fraction=float(config.estimator.stress.fraction))
+      sampling=run_spec.Decoding.of_rollout(r, temperature=r.temperature, steps=r.steps),
+      evaluation=run_spec.Decoding.of_eval(config),
+      chunk_rows=chunk_rows_of(r), stress_fraction=float(config.estimator.stress.fraction))
 
 
 def resolve_loop(config: ml_collections.ConfigDict) -> run_spec.LoopSpec:
@@ -762,7 +782,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int | None = None, *
   """
   if check:
     validate(config, num_devices)
-  from stabledrl_jax.training import mesh as mesh_lib  # Needs no devices, only counts.
+  from stabledrl_jax.training.parallel import mesh as mesh_lib  # Needs no devices, only counts.
   model = model_config(config) if model is None else model
   num_updates = config.train.num_steps * config.train.num_iterations
   shape = (None if num_devices is None else
@@ -770,7 +790,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int | None = None, *
   return run_spec.Resolved(
       model=model, run=resolve_run(config, model), rollout=resolve_rollout(config),
       loop=resolve_loop(config), data=resolve_data(config),
-      guard=collapse.GuardSettings.of(config.train.get("collapse_guard")),
+      guard=run_spec.GuardSettings.of(config.train.get("collapse_guard")),
       family=config.model.family,
       optimizer=optimizer_lib.OptimizerSpec.of(config.optimizer, num_updates),
       mesh_shape=shape)

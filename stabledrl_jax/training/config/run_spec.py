@@ -20,7 +20,185 @@ import optax
 
 from stabledrl_jax import estimators, objectives
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training import collapse, decoding, optimizer as optimizer_lib
+from stabledrl_jax.training.config import optimizer as optimizer_lib
+
+
+# The highest sampling temperature a decoding takes: far above 1 every completion is close to
+# uniform noise, and a huge one overflows the logits' scale (rollout.temperature is bounded
+# tighter, at 10: ``specs.FLOAT_RANGES``).
+MAX_TEMPERATURE = 100.0
+
+
+def set_options(section: Any) -> dict[str, Any]:
+  """The family options a config section sets (``rollout.family_options``): those not None (a
+  name every registered family declares is listed, unset, in ``config_lib.base_config``)."""
+  return {k: v for k, v in dict(section or {}).items() if v is not None}
+
+
+def default_steps(gen_length: int, block_length: int) -> int:
+  """Denoising steps when none are given: gen_length / 2 (d1's protocol), at least one per
+  block."""
+  return max(gen_length // 2, gen_length // block_length, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+  """One decoding setup of the samplers (``models.family.generate``).
+
+  Attributes:
+    gen_length: completion tokens G.
+    steps: denoising steps over the completion (0: ``default_steps``).
+    block_length: LLaDA's semi-autoregressive blocks (SDAR decodes by its model's blocks).
+    temperature: 0 for greedy; at most ``MAX_TEMPERATURE``.
+    remasking: the family's rule (``rollout.remasking``'s values).
+    threshold: tau of the threshold rules.
+    cfg_scale: classifier-free guidance (LLaDA only; 0: off).
+    stop_at_eos: LLaDA: stop once every row has a stop token, and fill after it with EOS (the
+      text up to the first stop token is the same either way).
+    cache: block-wise KV caching of LLaDA's sampler ("none": exact, "prefix", "dual";
+      ``models/llada/sampler.py``); SDAR's sampler always caches its finished blocks, exactly.
+    family_options: (name, value) pairs of the family's own sampler options
+      (``rollout.family_options``: Dream's top_p, top_k, alg_temp, eps), sorted by name; a
+      None value (unset) is dropped.
+  """
+
+  gen_length: int
+  steps: int = 0
+  block_length: int = 32
+  temperature: float = 0.0
+  remasking: str = "low_confidence"
+  threshold: float = 0.9
+  cfg_scale: float = 0.0
+  stop_at_eos: bool = False
+  cache: str = "none"
+  family_options: tuple[tuple[str, Any], ...] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "family_options", tuple(sorted(
+        (k, v) for k, v in dict(self.family_options).items() if v is not None)))
+    if not self.steps:
+      object.__setattr__(self, "steps", default_steps(self.gen_length, self.block_length))
+
+  @classmethod
+  def d1(cls, gen_length: int, *, steps: int = 0, **overrides) -> "Decoding":
+    """d1's protocol: steps = gen_length / 2 unless `steps` is given, blocks of 32, greedy."""
+    return cls(gen_length, steps, **overrides)
+
+  @classmethod
+  def of_eval(cls, config: Any, **overrides) -> "Decoding":
+    """The trainer's held-out evaluation decode: ``config.rollout``'s sampler, greedy, at
+    ``eval.steps``, exact (no KV cache) unless ``overrides`` say otherwise; its family options
+    are the rollout's with ``eval.family_options`` over them."""
+    options = {**set_options(config.rollout.get("family_options")),
+               **set_options(config.eval.get("family_options"))}
+    return cls.of_rollout(config.rollout, temperature=0.0, steps=config.eval.steps,
+                          **{"cache": "none", "family_options": tuple(options.items()),
+                             **overrides})
+
+  @classmethod
+  def of_rollout(cls, rollout: Any, *, temperature: float, steps: int = 0,
+                 **overrides) -> "Decoding":
+    """The rollout config's sampler settings (``config.rollout``), at ``temperature``."""
+    fields = dict(gen_length=rollout.gen_length, steps=steps, block_length=rollout.block_length,
+                  temperature=temperature, remasking=rollout.remasking,
+                  threshold=rollout.threshold, cache=rollout.get("cache", "none"),
+                  family_options=tuple(set_options(rollout.get("family_options")).items()))
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**fields)
+
+  def with_options(self, **overrides) -> "Decoding":
+    """These settings with ``overrides`` (remasking, threshold, cache, ...; None: kept)."""
+    return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+  def check(self, model_config: Any) -> None:
+    """Raises ValueError (one line) unless the sampler of ``model_config``'s family accepts these
+    settings (``Family.sampling``; cheap: nothing compiles, no weight is read), at a
+    temperature of at most ``MAX_TEMPERATURE`` (each sampler refuses one below 0)."""
+    if self.temperature > MAX_TEMPERATURE:
+      raise ValueError(f"temperature: must be at most {MAX_TEMPERATURE:g} (0: greedy; far above 1 "
+                       f"the completions are close to uniform noise), got {self.temperature!r}")
+    family_lib.of(model_config).sampling(self, model_config)
+
+  def describe(self) -> dict[str, Any]:
+    """The settings a generation file records; tau only where the remasking rule uses it."""
+    out = dataclasses.asdict(self)
+    del out["stop_at_eos"]
+    out["family_options"] = dict(self.family_options)
+    if not out["family_options"]:  # As files written before family options existed.
+      del out["family_options"]
+    if "threshold" not in self.remasking and "dynamic" not in self.remasking:
+      del out["threshold"]
+    if self.cache == "none":  # As files written before caching existed.
+      del out["cache"]
+    return out
+
+
+# What the collapse guard does when it acts (``train.collapse_guard.action``).
+ACTIONS = ("restore", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """The collapse criteria (the study's defaults)."""
+
+  eval_margin: float = 2.0
+  reward_margin: float = 0.02
+  window: int = 20
+  max_skipped: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardSettings:
+  """``train.collapse_guard``: off by default.
+
+  Attributes:
+    enabled: check the rules after every step.
+    action: 'restore' (the best checkpoint by eval, the learning rate times ``lr_factor``, the
+      run goes on from there) or 'stop' (the run ends, its last checkpoint kept).
+    lr_factor: in (0, 1], what each restore multiplies the learning rate by.
+    max_restores: restores allowed (since the last 'go on'); a collapse after them stops the run.
+    go_on: a rerun of a run the guard stopped trains on from its last checkpoint (the rules
+      then judge the run from there, and the restores are counted afresh); without it the rerun
+      says that the guard stopped it and trains nothing.
+    rules: the criteria.
+  """
+
+  enabled: bool = False
+  action: str = "restore"
+  lr_factor: float = 0.5
+  max_restores: int = 2
+  go_on: bool = False
+  rules: Rules = Rules()
+
+  @classmethod
+  def of(cls, section: Any) -> "GuardSettings":
+    """From ``config.train.collapse_guard``; ValueError naming the field for a bad value."""
+    where = "config.train.collapse_guard"
+    if section is None:
+      return cls()
+    get = lambda name, default: section.get(name, default)
+    action = get("action", cls.action)
+    if action not in ACTIONS:
+      raise ValueError(f"{where}.action: {action!r} is not one of {ACTIONS}")
+    factor = float(get("lr_factor", cls.lr_factor))
+    if not 0 < factor <= 1:
+      raise ValueError(f"{where}.lr_factor: needs 0 < lr_factor <= 1, got {factor}")
+    restores = get("max_restores", cls.max_restores)
+    if not isinstance(restores, int) or restores < 0:
+      raise ValueError(f"{where}.max_restores: needs an integer >= 0, got {restores!r}")
+    rules = Rules(eval_margin=float(get("eval_margin", Rules.eval_margin)),
+                  reward_margin=float(get("reward_margin", Rules.reward_margin)),
+                  window=get("window", Rules.window), max_skipped=get("max_skipped",
+                                                                      Rules.max_skipped))
+    for name in ("eval_margin", "reward_margin"):
+      if not getattr(rules, name) >= 0:
+        raise ValueError(f"{where}.{name}: needs >= 0, got {getattr(rules, name)}")
+    for name in ("window", "max_skipped"):
+      value = getattr(rules, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}.{name}: needs an integer >= 1, got {value!r}")
+    return cls(enabled=bool(get("enabled", cls.enabled)), action=action, lr_factor=factor,
+               max_restores=restores, go_on=bool(get("go_on", cls.go_on)), rules=rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +275,8 @@ class RolloutSpec:
   prompt_length: int | None
   with_instruction: bool
   prompt_style: str
-  sampling: decoding.Decoding
-  evaluation: decoding.Decoding
+  sampling: Decoding
+  evaluation: Decoding
   chunk_rows: int = 0
   stress_fraction: float = 0.0
 
@@ -193,7 +371,7 @@ class Resolved:
     rollout: what the rollouts and the held-out evaluation take.
     loop: the loop's counts and cadences.
     data: the task and its reward.
-    guard: the collapse guard's settings (``collapse.GuardSettings``).
+    guard: the collapse guard's settings (``GuardSettings``).
     family: the model family's name (``family_record``: its registration).
     optimizer: the optimizer (``tx``) and its schedule, at the guard's learning-rate scale
       (``with_lr_scale``).
@@ -206,7 +384,7 @@ class Resolved:
   rollout: RolloutSpec
   loop: LoopSpec
   data: DataSpec
-  guard: collapse.GuardSettings
+  guard: GuardSettings
   family: str
   optimizer: optimizer_lib.OptimizerSpec
   mesh_shape: tuple[tuple[str, int], ...] | None

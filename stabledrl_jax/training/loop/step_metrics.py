@@ -19,8 +19,12 @@ from absl import logging
 from etils import epath
 
 from stabledrl_jax import models, profiling
-from stabledrl_jax.training import build, data, multihost, rl_step as rl_step_lib
-from stabledrl_jax.training import rollout as rollout_lib, run_spec, spikes, train_step
+from stabledrl_jax.training.config import run_spec
+from stabledrl_jax.training.inputs import data
+from stabledrl_jax.training.loop import spikes
+from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.step import build, rl_step as rl_step_lib, rollout as rollout_lib
+from stabledrl_jax.training.step import train_step
 
 
 class StepLog:
