@@ -22,9 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from stabledrl_jax.training.config import specs
 from stabledrl_jax.training.loop import run_build
-from stabledrl_jax.training.parallel import mesh as mesh_lib
 from stabledrl_jax.training.state import checkpoint_source
 from stabledrl_jax.training.step import decoding
 
@@ -41,9 +39,8 @@ def accuracy_rows(workdir: str, block_lengths: list[int], threshold: float
   if config is None:
     raise app.UsageError(f"{workdir} is not a training workdir (no config.json)")
   source = checkpoint_source.resolve(workdir)
-  resolved = specs.resolve(config, jax.device_count())
-  inputs = run_build.read_inputs(config, resolved)
-  mesh = mesh_lib.make_mesh(config.mesh)
+  inputs = run_build.read_inputs(config)
+  resolved, mesh = inputs.resolved, inputs.mesh
   model = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
   key = jax.random.key(config.seed + 1)  # The trainer's evaluation key.
   rows = []

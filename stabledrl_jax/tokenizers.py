@@ -12,6 +12,7 @@ usually left-padded (their ends line up where the completion starts); targets ri
 
 from __future__ import annotations
 
+import json
 import pathlib
 import string
 from typing import Sequence
@@ -187,6 +188,98 @@ class TokenizerError(ValueError):
   """A tokenizer file that cannot be read, or lacks a token the model needs (names the file)."""
 
 
+# Qwen2's slow tokenizer (vocab.json, merges.txt, and added_tokens.json for the special tokens),
+# as the Dream release ships it without a tokenizer.json.
+BPE_FILES = ("vocab.json", "merges.txt")
+# Qwen2's pre-tokenization: the text is split by this pattern, then each piece mapped to
+# byte-level symbols (GPT-2's byte-to-unicode table) before the merges.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  text = workdir_files.read_bytes(path, "tokenizer file", error=TokenizerError)
+  try:
+    value = json.loads(text)
+  except ValueError as error:
+    raise TokenizerError(f"{path} is not JSON: {error}") from None
+  if not isinstance(value, dict):
+    raise TokenizerError(f"{path} is not a JSON object")
+  return value
+
+
+def _added_tokens(directory: pathlib.Path, vocab: dict[str, int]
+                  ) -> tuple[dict[str, int], dict[str, bool]]:
+  """The added tokens of ``directory`` (added_tokens.json, and tokenizer_config.json's
+  ``added_tokens_decoder``): token -> id, and token -> special (True unless the config says
+  otherwise); each id checked against vocab.json's and the other added tokens'."""
+  added = _read_json(directory / "added_tokens.json") if (
+      directory / "added_tokens.json").exists() else {}
+  special = {}
+  if (directory / "tokenizer_config.json").exists():
+    for token_id, entry in _read_json(directory / "tokenizer_config.json").get(
+        "added_tokens_decoder", {}).items():
+      if isinstance(entry, dict) and "content" in entry and str(token_id).isdigit():
+        added.setdefault(entry["content"], int(token_id))
+        special[entry["content"]] = bool(entry.get("special", True))
+  holders = {token_id: f"vocab.json's {token!r}" for token, token_id in vocab.items()}
+  for token, token_id in added.items():
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+      raise TokenizerError(f"{directory}: added token {token!r} has no valid id ({token_id!r})")
+    holder = holders.get(token_id)
+    if token in vocab and vocab[token] != token_id:
+      holder = f"vocab.json's id {vocab[token]} for it; id {token_id}"
+    if holder is not None and holder != f"vocab.json's {token!r}":
+      raise TokenizerError(f"{directory}: added token {token!r} at id {token_id}, which "
+                           f"{holder} already holds")
+    holders[token_id] = repr(token)
+  return added, {token: special.get(token, True) for token in added}
+
+
+def byte_level_bpe_json(directory: str | pathlib.Path) -> str:
+  """The tokenizer.json of Qwen2's slow tokenizer files in ``directory``: NFC normalization,
+  ``QWEN2_SPLIT`` then byte-level pre-tokenization, the BPE of vocab.json and merges.txt, and the
+  added tokens at the ids added_tokens.json gives them (special unless tokenizer_config.json's
+  ``added_tokens_decoder`` says otherwise), matched whole before any splitting.
+
+  Raises:
+    TokenizerError: naming the file that cannot be read or makes no sense.
+  """
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  directory = pathlib.Path(directory)
+  vocab = _read_json(directory / "vocab.json")
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+    raise TokenizerError(f"{directory / 'vocab.json'}: not a map of tokens to integer ids")
+  merges_file = directory / "merges.txt"
+  lines = workdir_files.read_bytes(merges_file, "tokenizer file", error=TokenizerError)
+  merges = []
+  for number, line in enumerate(lines.decode("utf-8", errors="replace").splitlines(), start=1):
+    if not line.strip() or (number == 1 and line.startswith("#version")):
+      continue
+    pair = tuple(line.split(" "))
+    if len(pair) != 2 or not all(pair):
+      raise TokenizerError(f"{merges_file}:{number}: not a merge of two symbols: {line[:80]!r}")
+    merges.append(pair)
+  added, special = _added_tokens(directory, vocab)
+  try:  # The added tokens in the model's vocabulary too, so that they keep their ids.
+    bpe = tokenizers.models.BPE(vocab={**vocab, **added}, merges=merges, fuse_unk=False,
+                                byte_fallback=False)
+  except Exception as error:  # pylint: disable=broad-except  (the Rust side's plain Exception)
+    raise TokenizerError(f"{merges_file}: {str(error).splitlines()[0]}") from None
+  tokenizer = tokenizers.Tokenizer(bpe)
+  tokenizer.normalizer = tokenizers.normalizers.NFC()
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+      tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN2_SPLIT), behavior="isolated"),
+      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  spec = json.loads(tokenizer.to_str())
+  spec["added_tokens"] = [
+      {"id": token_id, "content": token, "single_word": False, "lstrip": False,
+       "rstrip": False, "normalized": False, "special": special[token]}
+      for token, token_id in sorted(added.items(), key=lambda item: item[1])]
+  return json.dumps(spec)
+
+
 class HFTokenizer(_BatchMixin):
   """A `tokenizers.Tokenizer` (tokenizer.json) with the ids a diffusion model needs.
 
@@ -219,22 +312,28 @@ class HFTokenizer(_BatchMixin):
   def from_file(cls, path: str | pathlib.Path, *, mask_token: str, eos_token: str,
                 pad_token: str | None = None, bos_token: str | None = None,
                 eot_token: str | None = None, vocab_size: int | None = None,
-                **kwargs) -> "HFTokenizer":
+                byte_level: bool = False, **kwargs) -> "HFTokenizer":
     """Loads tokenizer.json (a file, a directory holding it, or a Hub id) and looks the special
     tokens up.
 
+    ``byte_level``: a Qwen2-style tokenizer (Dream, SDAR), which a directory may also hold as
+    the slow tokenizer's files alone (``BPE_FILES``; ``byte_level_bpe_json``).
     ``kwargs`` go to the constructor (``chat_template``).
     """
     import tokenizers  # pylint: disable=g-import-not-at-top
     path = pathlib.Path(hub.local_path(str(path), files=hub.TOKENIZER_FILES))
-    if path.is_dir():
-      path = path / "tokenizer.json"
-    reason = input_files.problem(path, allow_empty=True)
-    if reason is not None:  # Missing, a FIFO (never opened), unreadable.
-      raise FileNotFoundError(f"no tokenizer file at {path} ({reason})")
-    # Read here, only as the regular file just checked (a FIFO put there since is never
-    # opened: ``workdir_files.open_regular``), and parsed from the text.
-    text = workdir_files.read_bytes(path, "tokenizer file", error=TokenizerError)
+    if path.is_dir() and byte_level and not (path / "tokenizer.json").exists() and all(
+        (path / name).exists() for name in BPE_FILES):
+      text = byte_level_bpe_json(path).encode()  # A release with the slow tokenizer's files.
+    else:
+      if path.is_dir():
+        path = path / "tokenizer.json"
+      reason = input_files.problem(path, allow_empty=True)
+      if reason is not None:  # Missing, a FIFO (never opened), unreadable.
+        raise FileNotFoundError(f"no tokenizer file at {path} ({reason})")
+      # Read here, only as the regular file just checked (a FIFO put there since is never
+      # opened: ``workdir_files.open_regular``), and parsed from the text.
+      text = workdir_files.read_bytes(path, "tokenizer file", error=TokenizerError)
     if not text:
       raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json: empty")
     try:
@@ -288,7 +387,7 @@ class HFTokenizer(_BatchMixin):
     """
     tokenizer = cls.from_file(path, mask_token=SDAR_MASK, eos_token=SDAR_EOS,
                               eot_token=SDAR_EOT, vocab_size=SDAR_VOCAB_SIZE,
-                              chat_template=qwen_chat_prompt)
+                              chat_template=qwen_chat_prompt, byte_level=True)
     if check_ids:
       expected = {"mask": SDAR_MASK_ID, "eos": SDAR_EOS_ID, "eot": SDAR_EOT_ID}
       found = {"mask": tokenizer.mask_id, "eos": tokenizer.eos_id, "eot": tokenizer.eot_id}

@@ -200,3 +200,136 @@ def test_a_tokenizer_without_the_mask_token_names_the_file(tmp_path):
 def test_a_repeated_alphabet_names_the_character():
   with pytest.raises(ValueError, match="the alphabet repeats 'ab'"):
     tokenizers.CharTokenizer("abcab")
+
+
+# ---------------------------------------------------------------------------
+# Qwen2's slow tokenizer files (vocab.json, merges.txt, added_tokens.json): the Dream release.
+# ---------------------------------------------------------------------------
+
+# Dream's added tokens at their release ids (tokenizer_config.json's added_tokens_decoder).
+DREAM_ADDED = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+               "<|mask|>": 151666}
+_CORPUS = ["Hello world! It's a test of the tokenizer's merges.",
+           "Numbers 12345 and 3.14 don't split alike.", "  leading spaces\n\nnew lines\ttabs",
+           "unicode: café, naïve, 日本語, emoji 🙂", "x = f(y) + 2*z; // code"]
+_TEXTS = ["Hello world! It's a test.", "Numbers 12345 and 3.14 DON'T split alike.",
+          "  leading spaces\n\n\nnew lines\ttabs  \n ", "unicode: café, naïve, 日本語, 🙂",
+          "<|im_start|>user\nWhat's 2+2?<|im_end|>\n<|im_start|>assistant\n<|mask|><|mask|>",
+          "x = f(y) + 2*z; // code", "e\u0301 composed (NFC)", "I'LL we'VE they'd", "a\r\nb",
+          "!!!???...", "", "<|mask|>x<|endoftext|>"]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to 256 + n."""
+  keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  extra = [b for b in range(256) if b not in keep]
+  return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def _release_files(directory, added=None):
+  """A small byte-level BPE in the Dream release's layout: vocab.json and merges.txt (a BPE
+  trained here), added_tokens.json and tokenizer_config.json (Dream's added tokens at their
+  ids, unless ``added`` says otherwise); no tokenizer.json."""
+  import json  # pylint: disable=g-import-not-at-top
+  directory.mkdir(parents=True, exist_ok=True)
+  tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.BPE())
+  tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.train_from_iterator(_CORPUS * 20, hf_tokenizers.trainers.BpeTrainer(
+      vocab_size=400, show_progress=False,
+      initial_alphabet=hf_tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  tok.model.save(str(directory))
+  added = DREAM_ADDED if added is None else added
+  (directory / "added_tokens.json").write_text(json.dumps(added))
+  (directory / "tokenizer_config.json").write_text(json.dumps({
+      "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>",
+      "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
+      "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False,
+                                        "rstrip": False, "single_word": False, "special": True}
+                               for t, i in added.items()}}))
+  return directory
+
+
+def _reference_ids(directory, text: str) -> list[int]:
+  """Qwen2's slow tokenizer, re-derived: added tokens split out whole, NFC, the pre-tokenizer's
+  pattern, bytes to GPT-2's alphabet, then the lowest-ranked merge first until none applies."""
+  import json  # pylint: disable=g-import-not-at-top
+  import unicodedata  # pylint: disable=g-import-not-at-top
+  import regex  # pylint: disable=g-import-not-at-top
+  vocab = json.loads((directory / "vocab.json").read_text())
+  added = json.loads((directory / "added_tokens.json").read_text())
+  lines = (directory / "merges.txt").read_text().splitlines()
+  ranks = {tuple(line.split(" ")): r for r, line in enumerate(l for l in lines[1:] if l)}
+  alphabet = _bytes_to_unicode()
+  ids = []
+  special = "(" + "|".join(regex.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
+  for piece in regex.split(special, text):
+    if piece in added:
+      ids.append(added[piece])
+      continue
+    for word in regex.findall(tokenizers.QWEN2_SPLIT, unicodedata.normalize("NFC", piece)):
+      symbols = [alphabet[b] for b in word.encode("utf-8")]
+      while len(symbols) > 1:
+        pairs = [(ranks.get(p, float("inf")), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
+        rank, i = min(pairs)
+        if rank == float("inf"):
+          break
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+      ids.extend(vocab[s] for s in symbols)
+  return ids
+
+
+def test_the_slow_tokenizer_files_encode_as_qwen2_does(tmp_path):
+  """A release with vocab.json + merges.txt + added_tokens.json and no tokenizer.json (Dream's)
+  loads through Dream's loader at the published ids, and encodes as the slow tokenizer's
+  algorithm, re-derived here, does; decoding gives the text back."""
+  from stabledrl_jax.models.dream import tokenizer as dream_tokenizer  # pylint: disable=g-import-not-at-top
+  release = _release_files(tmp_path / "release")
+  tok = dream_tokenizer.load(release)  # The published ids are checked.
+  assert (tok.mask_id, tok.eos_id, tok.eot_id) == (151666, 151643, 151645)
+  for text in _TEXTS:
+    ids = tok.encode(text)
+    assert ids == _reference_ids(release, text), text
+    assert tok.decode(ids, skip_special_tokens=False, stop_at_eos=False) == (
+        __import__("unicodedata").normalize("NFC", text)), text
+
+
+def test_the_slow_tokenizer_files_give_transformers_ids(tmp_path):
+  """Release files as transformers loads them (AutoTokenizer: Qwen2Tokenizer from vocab.json,
+  merges.txt and the added tokens), where transformers is installed."""
+  transformers = pytest.importorskip("transformers")
+  import json  # pylint: disable=g-import-not-at-top
+  # The added tokens right after the BPE's vocabulary, as in the release (Qwen2's 151643 tokens,
+  # then <|endoftext|> at 151643 ... <|mask|> at 151666): transformers numbers them in order.
+  size = len(json.loads(_release_files(tmp_path / "bpe").joinpath("vocab.json").read_text()))
+  release = _release_files(tmp_path / "release",
+                           added={t: size + i for i, t in enumerate(DREAM_ADDED)})
+  reference = transformers.AutoTokenizer.from_pretrained(str(release))
+  ours = tokenizers.HFTokenizer.from_file(release, mask_token="<|mask|>",
+                                          eos_token="<|endoftext|>", eot_token="<|im_end|>",
+                                          byte_level=True)
+  for text in _TEXTS:
+    assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+
+
+@pytest.mark.parametrize("added, match", [
+    ({"<|endoftext|>": 5}, r"added token '<\|endoftext\|>' at id 5, which vocab.json's '&'"),
+    ({"<|a|>": 500, "<|b|>": 500}, r"added token '<\|b\|>' at id 500, which '<\|a\|>' already"),
+    ({"<|a|>": "x"}, r"added token '<\|a\|>' has no valid id"),
+])
+def test_bad_slow_tokenizer_files_are_one_line_naming_the_file(tmp_path, added, match):
+  release = _release_files(tmp_path / "release", added=added)
+  (release / "tokenizer_config.json").unlink()  # added_tokens.json alone says the ids.
+  with pytest.raises(tokenizers.TokenizerError, match=match):
+    tokenizers.HFTokenizer.from_file(release, mask_token="<|a|>", eos_token="<|a|>",
+                                     byte_level=True)
+  (release / "merges.txt").write_text("#version: 0.2\nonly-one-symbol\n")
+  with pytest.raises(tokenizers.TokenizerError, match=r"merges.txt:2: not a merge of two"):
+    tokenizers.byte_level_bpe_json(release)
+
+
+def test_without_byte_level_a_directory_needs_its_tokenizer_json(tmp_path):
+  """LLaDA's loader reads tokenizer.json only: the slow files of another family are not
+  guessed at."""
+  release = _release_files(tmp_path / "release")
+  with pytest.raises(FileNotFoundError, match="no tokenizer file at .*tokenizer.json"):
+    tokenizers.HFTokenizer.llada(release)

@@ -252,7 +252,7 @@ def test_a_peft_adapter_the_lora_settings_do_not_describe_leaves_no_workdir(tmp_
   adapter = _adapter(tmp_path, config)
   config = sweep.with_overrides(config, {"model.checkpoint": adapter})
   tokenizer = data.make_tokenizer(config.tokenizer)
-  build.check_checkpoint(config, tokenizer)  # The adapter as it is: fine.
+  build.check_checkpoint(config, tokenizer, build.checkpoint_config(config))  # As it is: fine.
   workdir = tmp_path / "run"
   with pytest.raises(ValueError) as error:
     trainer.train(sweep.with_overrides(config, setting), str(workdir))

@@ -25,14 +25,17 @@ def chat_prompt(user_message: str, *, assistant_prefix: str = "") -> str:
 
 
 def load(path: str | pathlib.Path, *, check_ids: bool = True) -> tokenizers.HFTokenizer:
-  """Dream's tokenizer.json (a file, a checkpoint directory or a Hub id).
+  """Dream's tokenizer (a tokenizer.json, a checkpoint directory or a Hub id). The release
+  ships Qwen2's slow tokenizer files (vocab.json, merges.txt, added_tokens.json) and no
+  tokenizer.json; a directory holding only those is read as Qwen2's tokenizer would read them
+  (``tokenizers.byte_level_bpe_json``).
 
   check_ids: require the published ids (mask 151666, EOS 151643, end of turn 151645): another
   tokenizer would silently corrupt training.
   """
   tokenizer = tokenizers.HFTokenizer.from_file(path, mask_token=MASK, eos_token=EOS,
                                                eot_token=EOT, vocab_size=VOCAB_SIZE,
-                                               chat_template=chat_prompt)
+                                               chat_template=chat_prompt, byte_level=True)
   if check_ids:
     expected = {"mask": MASK_ID, "eos": EOS_ID, "eot": EOT_ID}
     found = {"mask": tokenizer.mask_id, "eos": tokenizer.eos_id, "eot": tokenizer.eot_id}

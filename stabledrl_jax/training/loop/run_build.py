@@ -1,8 +1,9 @@
 """One build of an RL run (docs/training.md): what the trainer's loop holds, made in two stages.
 
-``read_inputs`` reads what needs no workdir: the tokenizer, the task, its prompts (those longer
-than rollout.prompt_length skipped and counted) and a checkpoint's config files
-(``build.check_checkpoint``). The trainer runs it before it creates anything in the workdir.
+``read_inputs`` does what needs no workdir: the config's checks, the mesh, the tokenizer, a
+checkpoint's config files (read once, ``build.check_checkpoint``), the resolved record, the task
+and its prompts (those longer than rollout.prompt_length skipped and counted). The trainer runs
+it before it creates anything in the workdir.
 
 ``build_run`` builds the rest in the workdir: the model (a checkpoint, the supervised start or a
 fresh one), the run's parts on the mesh (``build.parts``) and its memoized step functions
@@ -13,21 +14,23 @@ resolved record (``Resolved``) from then on; the raw config goes only into the c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import jax
 import ml_collections
 from absl import logging
 from etils import epath
 from flax import nnx
 
-from stabledrl_jax import tasks, workdir_files
+from stabledrl_jax import path_args, tasks, workdir_files
 from stabledrl_jax.training.config import run_spec, specs
 from stabledrl_jax.training.inputs import data, reward_pool
 from stabledrl_jax.training.loop import collapse, metrics_writer, step_metrics
-from stabledrl_jax.training.parallel import multihost
+from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
 from stabledrl_jax.training.state import checkpointing, lora_base, supervised
 from stabledrl_jax.training.step import build, rl_step, rollout as rollout_lib
 
@@ -39,29 +42,44 @@ GUARD_KEY = "collapse_guard"
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """What a run reads before its workdir: the tokenizer, the task, the training examples that
-  fit the rollout layout and the held-out prompts, encoded."""
+  """What a run reads and resolves before its workdir: its record (for a checkpoint's model,
+  from its config files), the mesh, the tokenizer, the task, the training examples that fit the
+  rollout layout and the held-out prompts, encoded."""
 
+  resolved: run_spec.Resolved
+  mesh: jax.sharding.Mesh
   tokenizer: Any
   task: tasks.Task
   train_examples: list[Any]
   eval_prompts: data.PromptSet
 
 
-def read_inputs(config: ml_collections.ConfigDict, resolved: run_spec.Resolved,
-                tokenizer: Any = None) -> Inputs:
-  """The run's inputs (``tokenizer``: ``config.tokenizer``'s, if made already); a model
-  checkpoint's config files are checked against the config (``build.check_checkpoint``).
-  Raises ValueError naming the field at fault."""
-  tokenizer = data.make_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
+def read_inputs(config: ml_collections.ConfigDict) -> Inputs:
+  """The run's inputs, checked in the order a user fixes them: the config's fields
+  (``specs.validate``), the tokenizer's files, then a model checkpoint's config files against
+  the config (``build.check_checkpoint``), then the data. Sets the compilation cache
+  (``train.compilation_cache_dir``) before anything compiles.
+
+  Raises:
+    ValueError / FileNotFoundError naming the field at fault.
+  """
+  specs.validate(config, num_devices=jax.device_count())
+  if config.train.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
+  mesh = mesh_lib.make_mesh(config.mesh)
+  tokenizer = data.make_tokenizer(config.tokenizer)
+  # A checkpoint's model is known from its config files until it is loaded (``with_model``).
+  checkpoint = build.checkpoint_config(config)
+  build.check_checkpoint(config, tokenizer, checkpoint)
+  resolved = specs.resolve(config, jax.device_count(), check=False, model=checkpoint)
   task = tasks.get_task(resolved.data.task)
   spec = resolved.rollout
   train = data.fitting_examples(spec, tokenizer, task, data.make_examples(config, "train"),
                                 split="train")
   held_out = data.fitting_examples(spec, tokenizer, task, data.make_examples(config, "eval"),
                                    split="eval")
-  build.check_checkpoint(config, tokenizer)
-  return Inputs(tokenizer=tokenizer, task=task, train_examples=train,
+  return Inputs(resolved=resolved, mesh=mesh, tokenizer=tokenizer, task=task,
+                train_examples=train,
                 eval_prompts=data.encode_examples(spec, tokenizer, task, held_out))
 
 
@@ -101,18 +119,78 @@ class Run:
   stopped: str = ""
 
 
-def build_run(config: ml_collections.ConfigDict, resolved: run_spec.Resolved, inputs: Inputs,
-              workdir: epath.Path, mesh: Any, *, stop: Callable[[int], bool],
-              log_sft: Callable[[int, dict[str, Any]], None],
-              on_part: Callable[[Any, epath.Path | None], None]) -> Run:
-  """The run of ``config`` (``resolved``) in ``workdir`` on ``mesh``.
+class Closing:
+  """The parts of a run that must be closed (the checkpointers, the reward pool, the writer),
+  each with the path its close writes to, in the order they were made."""
+
+  def __init__(self):
+    self._parts = []
+
+  def add(self, part: Any, where: epath.Path | None) -> None:
+    self._parts.append((part, where))
+
+  def close(self) -> list[BaseException]:
+    """Closes each part once, even if one before it fails; returns the failures."""
+    parts, self._parts, errors = self._parts, [], []
+    for part, where in parts:
+      try:
+        with checkpointing.writing(where) if where is not None else contextlib.nullcontext():
+          part.close()
+      except BaseException as error:  # pylint: disable=broad-except
+        errors.append(error)
+    return errors
+
+
+@contextlib.contextmanager
+def claimed(workdir: epath.Path, closing: Closing) -> Iterator[Any]:
+  """``workdir`` created and locked by process 0 (``checkpointing.WorkdirLock``, which refuses
+  a second trainer) for a build; yields the lock (None on other processes).
+
+  A build that fails (but for a signal's stop of the supervised start, which keeps what it
+  made) leaves nothing of its own: its parts are closed (orbax's and the reward pool's threads
+  end before the error), the empty directories it created in the workdir go while the lock is
+  held (``path_args.remove_debris``), the lock is released, and so are the workdir's own
+  directories if this build created them: never anything that existed before it.
+  """
+  primary = multihost.is_primary()
+  created = path_args.missing_dirs(workdir) if primary else []
+  before = path_args.entries(workdir) if primary else set()
+  lock = None
+  try:
+    if primary:
+      with checkpointing.writing(workdir):
+        workdir.mkdir(parents=True, exist_ok=True)
+      lock = checkpointing.WorkdirLock(workdir)
+    yield lock
+  except supervised.Stopped:
+    raise
+  except BaseException:
+    closing.close()
+    if lock is not None:
+      path_args.remove_debris(workdir, before | {checkpointing.WorkdirLock.NAME})
+      lock.release()
+    path_args.remove_created(created)
+    raise
+
+
+def print_sft(step: int, metrics: dict[str, Any]) -> None:
+  """The supervised start's progress line (process 0)."""
+  if multihost.is_primary():
+    print(f"sft step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+
+def build_run(config: ml_collections.ConfigDict, inputs: Inputs, workdir: epath.Path, *,
+              stop: Callable[[int], bool],
+              on_part: Callable[[Any, epath.Path | None], None],
+              log_sft: Callable[[int, dict[str, Any]], None] = print_sft) -> Run:
+  """The run of ``config`` (``inputs.resolved``) in ``workdir`` on ``inputs.mesh``.
 
   ``stop(done)``: whether a signal asks the supervised start to stop at its step boundary
   (``supervised.Stopped`` then). ``on_part(part, where)``: each part that must be closed (the
   checkpointers, the reward pool, the writer) and the path its close writes to, as it is made,
   so that the caller closes what exists if a later part fails.
   """
-  primary = multihost.is_primary()
+  primary, resolved, mesh = multihost.is_primary(), inputs.resolved, inputs.mesh
   d, loop = resolved.data, resolved.loop
   # Every process draws the same global batches and keeps its own groups: the position is the
   # same everywhere, and a resumed run (on any number of processes) draws what an

@@ -13,7 +13,6 @@ processes, and ends the run normally; rerunning the command continues exactly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
@@ -27,10 +26,8 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import path_args
-from stabledrl_jax.training.config import specs
-from stabledrl_jax.training.inputs import data
 from stabledrl_jax.training.loop import collapse, preemption, run_build
-from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
+from stabledrl_jax.training.parallel import multihost
 from stabledrl_jax.training.state import checkpointing, lora_base, supervised
 from stabledrl_jax.training.step import build, decoding, rl_step as rl_step_lib
 
@@ -50,56 +47,29 @@ class Trainer:
     (``preemption.PreemptionWatcher``); a notebook keeps its kernel (KeyboardInterrupt).
 
     Everything that can be checked without the workdir is checked before anything is created
-    in it (docs/reliability.md): the workdir's name, the config (``specs.validate``), and the
-    inputs (the tokenizer, a checkpoint's config files, ``run_build.read_inputs``). A start
-    that fails later removes the directories it created while they are empty
-    (``path_args.remove_debris``): never anything that existed before it."""
+    in it (docs/reliability.md): the workdir's name, then the config and the inputs
+    (``run_build.read_inputs``: the fields, the tokenizer, a checkpoint's config files). A start
+    that fails later leaves nothing of its own (``run_build.claimed``)."""
     path_args.check(workdir, "workdir")
-    specs.validate(config, num_devices=jax.device_count())
-    if config.train.compilation_cache_dir:  # Before anything compiles.
-      jax.config.update("jax_compilation_cache_dir", str(config.train.compilation_cache_dir))
-    self.mesh = mesh_lib.make_mesh(config.mesh)
-    tokenizer = data.make_tokenizer(config.tokenizer)  # Its files first, then the model's.
-    # A checkpoint's model is known from its config files until it is loaded (``with_model``).
-    checkpoint = build.checkpoint_config(config)
-    if checkpoint is not None:
-      specs.validate_model(config, checkpoint, config.model.checkpoint)
-    self.resolved = specs.resolve(config, jax.device_count(), check=False, model=checkpoint)
-    self.config, self.loop = config, self.resolved.loop
+    self.inputs = inputs = run_build.read_inputs(config)
+    self.config, self.mesh, self.loop = config, inputs.mesh, inputs.resolved.loop
     self.workdir = checkpointing.resolve_workdir(workdir)
     self.primary = multihost.is_primary()
-    self.lock, self.stopped, self._closing = None, "", []
-    inputs = run_build.read_inputs(config, self.resolved, tokenizer)
-    self.tokenizer, self.task = inputs.tokenizer, inputs.task
-    self.eval_prompts = inputs.eval_prompts
-    created = path_args.missing_dirs(self.workdir) if self.primary else []
-    before = path_args.entries(self.workdir) if self.primary else set()
+    self.lock, self.stopped, self.closing = None, "", run_build.Closing()
     # From here SIGTERM and SIGINT stop at the next step boundary (the supervised start's too);
     # the handlers are restored after the build and installed again by ``run``.
     self.watcher = preemption.PreemptionWatcher(
         on_abort=self._release_lock, grace_s=self.loop.stop_grace_s, hard_stop=hard_stop,
         kept=lambda: run_build.kept(self.workdir))
     try:
-      if self.primary:
-        with checkpointing.writing(self.workdir):
-          self.workdir.mkdir(parents=True, exist_ok=True)
-        self.lock = checkpointing.WorkdirLock(self.workdir)  # Refuses a second trainer.
-      built = run_build.build_run(config, self.resolved, inputs, self.workdir, self.mesh,
-                                  stop=self.watcher.reached, log_sft=self._log_sft,
-                                  on_part=lambda *part: self._closing.append(part))
+      with run_build.claimed(self.workdir, self.closing) as self.lock:
+        built = run_build.build_run(config, inputs, self.workdir, stop=self.watcher.reached,
+                                    on_part=self.closing.add)
       for field in dataclasses.fields(built):
         setattr(self, field.name, getattr(built, field.name))
       self.samples = []  # This step's sample rollouts, for the writer.
     except supervised.Stopped as stop:
       self.stopped = str(stop)
-    except BaseException:
-      lock, self.lock = self.lock, None  # Held while the debris goes: no other trainer's.
-      self._close(raising=False)  # orbax's and the reward pool's threads end before the error.
-      if lock is not None:
-        path_args.remove_debris(self.workdir, before | {checkpointing.WorkdirLock.NAME})
-        lock.release()
-      path_args.remove_created(created)
-      raise
     finally:
       self.watcher.uninstall()
 
@@ -108,10 +78,6 @@ class Trainer:
       self.lock.release()
       self.lock = None
 
-  def _log_sft(self, step: int, metrics: dict[str, Any]) -> None:
-    if self.primary:
-      print(f"sft step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-
   def evaluate(self, params, key, **options) -> dict[str, float]:
     """Greedy decoding of the held-out prompts (``decoding.score_batches``, the path every
     evaluation shares): the task's metric in percent, the mean reward and the mean model calls
@@ -119,8 +85,8 @@ class Trainer:
     is exact (no KV cache) unless they say otherwise. Each process decodes and scores its rows
     of every batch; the totals are summed over the processes."""
     return decoding.evaluate(
-        nnx.merge(self.parts.graphdef, params), self.tokenizer, self.task, self.eval_prompts,
-        key, self.parts.rollout.evaluation.with_options(**options), mesh=self.mesh,
+        nnx.merge(self.parts.graphdef, params), self.inputs.tokenizer, self.inputs.task,
+        self.inputs.eval_prompts, key, self.parts.rollout.evaluation.with_options(**options), mesh=self.mesh,
         batch_size=self.loop.eval_batch_size, reward_scheme=self.resolved.data.reward,
         split=self.rollouts.split)
 
@@ -317,14 +283,7 @@ class Trainer:
 
   def _close(self, *, raising: bool) -> None:
     self.watcher.close()
-    errors = []
-    closing, self._closing = self._closing, []
-    for part, where in closing:
-      try:
-        with checkpointing.writing(where) if where is not None else contextlib.nullcontext():
-          part.close()
-      except BaseException as error:  # pylint: disable=broad-except
-        errors.append(error)
+    errors = self.closing.close()
     self._release_lock()  # Last: the saves above have finished (or failed).
     if raising and errors:
       raise errors[0]

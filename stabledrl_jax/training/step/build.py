@@ -106,19 +106,19 @@ def checkpoint_config(config: ml_collections.ConfigDict) -> Any:
     return models.load_config(path)
 
 
-def check_checkpoint(config: ml_collections.ConfigDict, tokenizer) -> None:
+def check_checkpoint(config: ml_collections.ConfigDict, tokenizer, model_config: Any) -> None:
   """What ``build_model`` would refuse in ``model.checkpoint``, found from its config files
-  alone (``checkpoint_config``): its family, rollout layout and sampler options
-  (``specs.validate_model``), the tokenizer's fit, and a PEFT adapter's rank, alpha and
-  targets against ``model.lora``. The trainer runs it before it creates anything in its
-  workdir.
+  alone (``model_config``, read by ``checkpoint_config``; None: no checkpoint, nothing to
+  check): its family, rollout layout and sampler options (``specs.validate_model``), the
+  tokenizer's fit, and a PEFT adapter's rank, alpha and targets against ``model.lora``. A run
+  checks it before it creates anything in its workdir (``run_build.read_inputs``).
 
   Raises:
     ValueError / FileNotFoundError naming the config field.
   """
-  model_config = checkpoint_config(config)
   if model_config is None:
     return
+  specs.validate_model(config, model_config, config.model.checkpoint)
   with input_files.named("config.model.checkpoint"):
     path = hub.local_path(config.model.checkpoint, files=_CONFIG_FILES,
                           download=config.model.download)
@@ -128,7 +128,6 @@ def check_checkpoint(config: ml_collections.ConfigDict, tokenizer) -> None:
   except ValueError as error:
     raise ValueError(f"config.tokenizer: {error} (model.checkpoint={config.model.checkpoint!r})"
                      ) from None
-  specs.validate_model(config, model_config, config.model.checkpoint)
   if adapter is None or lora_lib.spec_of(config.model.lora) is None:
     return  # Rank 0: the adapter's merged weights train, whatever it adapts.
   with input_files.named("config.model.checkpoint"):
