@@ -11,8 +11,11 @@ local directory with --config.model.checkpoint=DIR --config.tokenizer.path=DIR.
 Rollouts are Dream's diffusion generate as the recipe calls it (espo/espo_trainer.py:574-586):
 the whole 256-token completion in 64 steps, alg 'entropy', alg_temp 0, temperature 1 with
 top_p 0.95; evaluation as ESPO's eval/eval.py:83-93 (greedy, top_p 1). Likelihoods are ESPO's
-ELBO with one sample and no complementary pass (num_mc 1, reduce_var false), on Dream's shifted
-logits (espo_trainer.py:363-372).
+ELBO with one sample (num_mc 1) and its complementary pass, on Dream's shifted logits
+(espo_trainer.py:363-372). The recipe's ``--reduce_var false`` (:36) is never read:
+``_get_elbo_mc`` defaults to ``reduce_var=True`` (espo_trainer.py:446) and neither caller passes
+it (:180, :483), so ESPO always scores each mask and its complement, as here.
+``--config.estimator.coupled=False`` drops the complements: an option, not ESPO's run.
 """
 
 from stabledrl_jax.training.config import config_lib
@@ -23,8 +26,8 @@ def get_config(task: str = "countdown"):  # run_demo_dream.sh:1
   c.seed = 42  # train.yaml:66
   c.objective.name = "espo"
   c.objective.espo.update(beta=1e-3, epsilon=4e-4)  # run_demo_dream.sh:28-29
-  c.estimator.update(method="espo_elbo", num_samples=1,  # num_mc 1 (:24)
-                     coupled=False)  # reduce_var false (:36): no complementary masks
+  # num_mc 1 (:24); the complementary pass always on (reduce_var=True, espo_trainer.py:446).
+  c.estimator.update(method="espo_elbo", num_samples=1, coupled=True)
   # train.yaml:3 (bfloat16) and :6-11: LoRA r 128, alpha 64, dropout 0.05 on all seven of
   # Qwen2's projections (every name matches a Dream module), the base frozen in bfloat16;
   # float32 adapters and AdamW moments (bf16: true, :20, is autocast over float32 masters).
@@ -49,10 +52,10 @@ def get_config(task: str = "countdown"):  # run_demo_dream.sh:1
   c.eval.update(every_steps=100, batch_size=64, steps=0)  # eval.py:205: gen_length / 2
   # The 12 rows in one microbatch: they split over 1, 2, 3, 4 or 6 devices.
   c.train.update(num_iterations=8, microbatch_groups=2)
-  # lr 3e-6, constant_with_warmup over a warmup ratio of 0.001 (:26, :30, :32): a warmup of
-  # 0.1% of the steps rounds to 1 update here; AdamW 0.9 / 0.99 (train.yaml:33-34), weight decay
-  # 0.01 (:31), gradient clip 0.2 (:25).
-  c.optimizer.update(learning_rate=3e-6, schedule="constant", warmup_steps=1, b1=0.9, b2=0.99,
+  # lr 3e-6, constant_with_warmup over a warmup ratio of 0.001 (:26, :30, :32): 0.1% of the
+  # run's updates (transformers' ceil(ratio x steps)), 8 of the 1000 x 8 below; AdamW 0.9 / 0.99
+  # (train.yaml:33-34), weight decay 0.01 (:31), gradient clip 0.2 (:25).
+  c.optimizer.update(learning_rate=3e-6, schedule="constant", warmup_steps=8, b1=0.9, b2=0.99,
                      weight_decay=0.01, grad_clip=0.2)
   # scale_rewards false (train.yaml:19): advantages are not divided by the group's std; ESPO's
   # leave-one-out baseline is the objective's own. With LoRA the KL reference is the base (the

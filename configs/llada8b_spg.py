@@ -1,6 +1,8 @@
-"""SPG on LLaDA-8B-Instruct as its official code trains it: LoRA r 128, alpha 64, dropout
-0.05 on a frozen base, its learning rate, schedule and mu (config_lib.BASELINE_RECIPES cites the
-files and lines), on the paper's shared rollouts and batch.
+"""SPG on LLaDA-8B-Instruct with its official training recipe, in a matched-budget
+comparison: LoRA r 128, alpha 64, dropout 0.05 on a frozen base, its learning rate, schedule and
+mu (config_lib.BASELINE_RECIPES cites the files and lines), on the paper's shared rollouts,
+batch, prompts, rewards and evaluation; not its published run (docs/training.md says what that
+changes).
 
   python -m stabledrl_jax.train --config llada8b_spg:gsm8k --workdir runs/spg_gsm8k
 

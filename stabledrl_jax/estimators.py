@@ -317,8 +317,9 @@ def _espo_elbo_masks(key: Array, prompt_mask: Array, completion_mask: Array,
   sets row i's count ``x = round(u_k + i (L + 1) / B) mod (L + 1)`` (so x = 0 and x = L occur);
   x uniformly chosen positions are masked, weighted ``(L + 1) / x``, and the complement
   ``(L + 1) / (L - x)``; the two halves are averaged (each is unbiased on its own). Prompts stay
-  clean. The mean form divides by L. ``coupled=False`` drops the complements (ESPO's
-  ``reduce_var false``, its Dream recipe): the masks alone, unhalved.
+  clean. The mean form divides by L. ``coupled=False`` drops the complements: the masks alone,
+  unhalved (an option; ESPO's code always pairs them, whatever its recipes' ``reduce_var``
+  says: ``_get_elbo_mc`` never passes it on, espo_trainer.py:446).
   """
   key_shift, key_mask = jax.random.split(key)
   k = num_samples

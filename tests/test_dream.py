@@ -411,7 +411,7 @@ OBJECTIVES = [
     ("grpo", {"objective.grpo.level": "sequence"}),
     ("espo", {"estimator.method": ""}),  # Its own ELBO with complements.
     ("espo", {"estimator.method": "", "estimator.coupled": False,
-              "estimator.num_samples": 1}),  # ESPO's Dream recipe (reduce_var false).
+              "estimator.num_samples": 1}),  # The option without complements.
     ("spg", {}),
     ("wd1", {}),
 ]
@@ -512,3 +512,25 @@ def test_a_dream_workdir_exports_to_a_checkpoint_that_loads_with_the_same_logits
   tokens = jnp.arange(24).reshape(2, 12) % loaded.config.vocab_size
   np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(trained(tokens)), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_espo_s_dream_recipe_scores_each_mask_and_its_complement():
+  """ESPO's code always runs the complementary pass (``_get_elbo_mc`` defaults to
+  reduce_var=True and its callers never pass the recipe's ``reduce_var false``): the recipe's
+  config keeps it, with one sample (num_mc 1); dropping it is an option."""
+  from stabledrl_jax.training.config import config_lib, specs  # pylint: disable=g-import-not-at-top
+  config = config_lib.get("dream7b_espo")
+  settings = specs.estimator_settings(config)
+  assert (settings["method"], settings["num_samples"], settings["coupled"]) == (
+      "espo_elbo", 1, True)
+  assert config_lib.get("dream7b_espo:gsm8k").estimator.coupled
+
+
+def test_espo_s_dream_recipe_warms_up_over_a_thousandth_of_its_updates():
+  """warmup_ratio 0.001 (run_demo_dream.sh:30) of the run's updates, rounded up as transformers
+  does (``math.ceil(ratio * max_steps)``)."""
+  import math  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.get("dream7b_espo")
+  updates = config.train.num_steps * config.train.num_iterations
+  assert config.optimizer.warmup_steps == math.ceil(0.001 * updates) == 8

@@ -280,7 +280,11 @@ def test_each_baseline_s_8b_config_trains_lora_as_its_official_code(name):
     assert (config.optimizer.weight_decay, config.optimizer.grad_clip) == (weight_decay, 0.2)
     assert specs.resolve_run(config, specs.model_config(config)).lora
   assert config_lib.get("llada8b_spg:sudoku").objective.spg.eubo_beta == 1.0
-  assert config_lib.get("llada8b_espo:countdown").objective.espo.beta == 3e-3
+  espo = {task: specs.objective_params(config_lib.get(f"llada8b_espo:{task}")) for task in mu}
+  # ESPO run_<task>_llada.sh:28-29: beta per task; epsilon 0 on countdown, else train.yaml's 0.2.
+  assert {task: (h.beta, h.epsilon) for task, h in espo.items()} == {
+      "gsm8k": (1e-3, 0.2), "math500": (1e-3, 0.2), "countdown": (3e-3, 0.0),
+      "sudoku": (1e-2, 0.2)}
   with pytest.raises(ValueError, match="ships no 'code' recipe; its tasks are"):
     config_lib.get(f"{name}:code")
 

@@ -453,19 +453,23 @@ BASELINE_RECIPES = {
                 mu=dict(gsm8k=12, math500=12, countdown=12, sudoku=8), hparams={}),
     # ESPO recipes/train.yaml:6-11 (LoRA, bfloat16 base), run_{task}_llada.sh: lr 3e-6
     # constant_with_warmup, weight decay 0.01, mu 8 (NUM_ITER, l.3), beta 1e-3 / 1e-3 / 3e-3 /
-    # 1e-2 (l.28). Its code task trains every parameter (run_code_llada.sh:33) and is no task here.
+    # 1e-2 (l.28); epsilon 0.2 (train.yaml:18) but 0 on countdown (run_countdown_llada.sh:29).
+    # Its code task trains every parameter (run_code_llada.sh:33) and is no task here.
     "espo": dict(lora=_D1_FAMILY_LORA, base_dtype="bfloat16", learning_rate=3e-6,
                  weight_decay=0.01, mu=dict(gsm8k=8, math500=8, countdown=8, sudoku=8),
                  hparams=dict(gsm8k=dict(beta=1e-3), math500=dict(beta=1e-3),
-                              countdown=dict(beta=3e-3), sudoku=dict(beta=1e-2))),
+                              countdown=dict(beta=3e-3, epsilon=0.0),
+                              sudoku=dict(beta=1e-2))),
 }
 
 
 def baseline_llada8b_config(objective: str, task: str) -> ml_collections.ConfigDict:
-  """A baseline on LLaDA-8B-Instruct as its official code trains it: LoRA on a frozen base
-  (``BASELINE_RECIPES``: rank, alpha, dropout, targets, the base's storage), its learning rate,
-  schedule, weight decay, mu and per-task hyperparameters. Rollouts, batch and evaluation are the
-  paper's shared setting (``llada8b_config``), so that a comparison differs in the algorithm.
+  """A baseline on LLaDA-8B-Instruct with its official training recipe, in a matched-budget
+  comparison: LoRA on a frozen base (``BASELINE_RECIPES``: rank, alpha, dropout, targets, the
+  base's storage), its learning rate, schedule, weight decay, mu and per-task hyperparameters.
+  Rollouts, batch, prompts, rewards and evaluation are the paper's shared setting
+  (``llada8b_config``), so that a comparison differs in the algorithm: not the baseline's
+  published run (docs/training.md).
 
   Raises:
     ValueError: naming the objective or task that has no official recipe.

@@ -185,8 +185,10 @@ def fitting_examples(spec: Any, tokenizer, task: tasks.Task, examples: Sequence[
                      *, split: str) -> list[tasks.Example]:
   """The examples whose prompts fit ``spec.prompt_length`` tokens (``spec``: a
   ``run_spec.RolloutSpec``); the others are skipped, their count logged once, naming the
-  setting (the official trainers have no cap, and a dataset with a few long prompts must not
-  stop a run). Raises ValueError naming ``config.rollout.prompt_length`` when none fits.
+  setting (a dataset with a few long prompts must not stop a run). StableDRL's official code has
+  no cap; d1, SPG and wd1 keep a prompt's last 200 tokens and ESPO its last 400, which drops its
+  start (docs/algorithms.md). Raises ValueError naming ``config.rollout.prompt_length`` when
+  none fits.
   """
   examples = list(examples)
   if not examples:
