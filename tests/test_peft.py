@@ -134,6 +134,7 @@ def test_bad_adapter_tensors_are_named(tmp_path):
   path = str(tmp_path / "adapter")
   peft_io.save_adapter(_with_trained_adapters(models.from_pretrained(base), ("q_proj",)), path,
                        base=base)
+  _edit_config(path, target_modules=["q_proj", "up_proj"])  # up_proj: the last case's.
   file = os.path.join(path, "adapter_model.safetensors")
   tensors = load_file(file)
   name = "base_model.model.model.transformer.blocks.0.q_proj.lora_B.weight"
@@ -146,15 +147,123 @@ def test_bad_adapter_tensors_are_named(tmp_path):
         np.zeros((2, 2), np.float32)}, "is no LoRA weight"),
       ({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": np.zeros((4, 64), np.float32),
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight": np.zeros((96, 4), np.float32)},
-       "'model.layers.0.mlp.up_proj' is no projection of this"),
+       "'model.layers.0.mlp.up_proj' is no projection of the llada model (its projections: "
+       "attn_out, ff_out, ff_proj, k_proj, q_proj, up_proj, v_proj, named like"),
   ]
   for content, says in cases:
     save_file(content, file)
     with pytest.raises(hf_io.CheckpointError, match=__import__("re").escape(says)):
       peft_io.from_pretrained(path)
   os.remove(file)
-  with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+  with pytest.raises(FileNotFoundError, match="has neither adapter_model.safetensors nor "
+                     "adapter_model.bin"):
     peft_io.from_pretrained(path)
+
+
+# Module names as the official modeling code has them, and adapter configs of every kind peft
+# takes: the selection must be peft's own (peft.tuners.tuners_utils.check_target_module_exists).
+_MODULES = [f"model.transformer.blocks.{i}.{p}" for i in (0, 1, 11)
+            for p in ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")]
+_SELECTIONS = [
+    dict(target_modules=["q_proj"]), dict(target_modules=["q_proj", "v_proj", "nothing"]),
+    dict(target_modules="all-linear"), dict(target_modules=r".*\.(q|k)_proj"),
+    dict(target_modules=r"model\.transformer\.blocks\.1\..*"),
+    dict(target_modules=["blocks.0.q_proj", "up_proj"]),
+    dict(target_modules=["q_proj", "k_proj", "up_proj"], exclude_modules=["blocks.1.k_proj"]),
+    dict(target_modules=["q_proj", "k_proj"], exclude_modules=r".*blocks\.11\..*"),
+    dict(target_modules=["proj"]), dict(target_modules=["transformer.blocks.0.q_proj"]),
+    dict(target_modules=None), dict(target_modules="q_proj"),
+]
+
+
+@pytest.mark.parametrize("selection", _SELECTIONS, ids=str)
+def test_the_modules_an_adapter_selects_are_peft_s(selection):
+  tuners_utils = pytest.importorskip("peft.tuners.tuners_utils")
+  peft = pytest.importorskip("peft")
+  reference = peft.LoraConfig(r=4, lora_alpha=8, **{k: v for k, v in selection.items()
+                                                    if not (k == "target_modules" and v is None)})
+  for module in _MODULES:
+    if selection.get("target_modules") == "all-linear":  # peft expands it to every linear layer.
+      want = True
+    elif selection.get("target_modules") is None:  # peft's defaults for the model type.
+      want = True
+    else:
+      want = bool(tuners_utils.check_target_module_exists(reference, module))
+      want = want and not isinstance(tuners_utils.check_target_module_exists(reference, module),
+                                     tuners_utils._ExcludedModule)  # pylint: disable=protected-access
+    assert peft_io.selects(selection, module) == want, (selection, module)
+
+
+def test_tensors_the_adapter_config_does_not_select_are_one_line(tmp_path):
+  """target_modules ["q_proj"] over tensors for q_proj and up_proj: peft applies q_proj's and
+  leaves up_proj's unused, so the logits would differ from the file's intent without a word;
+  here it is refused, naming the module and the fields. exclude_modules the same."""
+  base, _ = _base(tmp_path, "llada")
+  path = str(tmp_path / "adapter")
+  peft_io.save_adapter(_with_trained_adapters(models.from_pretrained(base), ("q_proj", "up_proj")),
+                       path, base=base)
+  peft_io.from_pretrained(path)  # As written (target_modules q_proj, up_proj): fine.
+  _edit_config(path, target_modules=["q_proj"])
+  with pytest.raises(hf_io.CheckpointError, match=(
+      r"adapter_model\.safetensors: tensors for 'model\.transformer\.blocks\.0\.up_proj' \(and 1 "
+      r"more modules\), which adapter_config\.json's target_modules \['q_proj'\] does not select")):
+    peft_io.from_pretrained(path)
+  _edit_config(path, target_modules=["q_proj", "up_proj"], exclude_modules=r".*blocks\.1\..*")
+  with pytest.raises(hf_io.CheckpointError, match=r"tensors for 'model\.transformer\.blocks\.1\."
+                     r"q_proj' \(and 1 more modules\), .*exclude_modules"):
+    peft_io.from_pretrained(path)
+  _edit_config(path, exclude_modules="[unclosed")
+  with pytest.raises(ValueError, match=r"exclude_modules: '\[unclosed' is no regular expression"):
+    peft_io.from_pretrained(path)
+
+
+def test_an_adapter_model_bin_loads_as_its_safetensors(tmp_path):
+  """An older peft's adapter_model.bin (a PyTorch state dict) gives the same model as the
+  safetensors file; torch.load runs with weights_only=True, so a pickle that would run code is
+  refused in one line, and without torch the error says what to install."""
+  torch = pytest.importorskip("torch")
+  base, _ = _base(tmp_path, "llada")
+  path = str(tmp_path / "adapter")
+  peft_io.save_adapter(_with_trained_adapters(models.from_pretrained(base), ("q_proj",)), path,
+                       base=base)
+  want = jax.tree.leaves(nnx_state(peft_io.from_pretrained(path)))
+  file = os.path.join(path, "adapter_model.safetensors")
+  torch.save({k: torch.from_numpy(v) for k, v in load_file(file).items()},
+             os.path.join(path, "adapter_model.bin"))
+  os.remove(file)
+  got = jax.tree.leaves(nnx_state(peft_io.from_pretrained(path)))
+  for a, b in zip(want, got, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  class Hostile:
+    def __reduce__(self):
+      return (os.system, ("echo hostile",))
+
+  torch.save({"x": Hostile()}, os.path.join(path, "adapter_model.bin"))
+  with pytest.raises(hf_io.CheckpointError, match=r"adapter_model\.bin cannot be read as a "
+                     r"PyTorch state dict: "):
+    peft_io.from_pretrained(path)
+  torch.save({"base_model.model.x.lora_A.weight": [1, 2]}, os.path.join(path, "adapter_model.bin"))
+  with pytest.raises(hf_io.CheckpointError, match=r"adapter_model\.bin is not a state dict"):
+    peft_io.from_pretrained(path)
+
+
+def test_an_adapter_model_bin_without_torch_says_what_to_install(tmp_path, monkeypatch):
+  import sys  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "adapter"
+  path.mkdir()
+  (path / "adapter_model.bin").write_bytes(b"not read")
+  monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError.
+  import contextlib  # pylint: disable=g-import-not-at-top
+  with contextlib.ExitStack() as stack, pytest.raises(
+      hf_io.CheckpointError, match=r"adapter_model\.bin: a PyTorch file, which needs torch to "
+      r"read \(pip install torch"):
+    peft_io.open_weights(str(path), stack)
+
+
+def nnx_state(model):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx.state(model, nnx.Param)
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ device-sized or full host copy of a sharded tensor is ever made.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -134,6 +135,16 @@ class Reader:
         if key not in self._files:
           raise CheckpointError(f"tensor {key!r} is listed in {INDEX_FILE} but missing from {name}")
 
+  @classmethod
+  def of_arrays(cls, arrays: dict[str, np.ndarray], file: str) -> "Reader":
+    """A reader over tensors already in memory (``file``: where they were read from, for the
+    errors), as a PyTorch state dict is (``peft_io.reader``)."""
+    reader = cls.__new__(cls)
+    handle = _Arrays(arrays)
+    reader._files = {name: handle for name in arrays}  # pylint: disable=protected-access
+    reader._file_of = {name: file for name in arrays}  # pylint: disable=protected-access
+    return reader
+
   def names(self) -> set[str]:
     return set(self._files)
 
@@ -168,6 +179,40 @@ class Reader:
 
 def _read_slice(tensor_slice: Any, index: tuple[slice, ...]) -> np.ndarray:
   return tensor_slice[index]
+
+
+class _Arrays:
+  """Numpy arrays behind the part of safetensors' ``safe_open`` handle that ``Reader`` uses."""
+
+  _CODES = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64",
+            "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+  def __init__(self, arrays: dict[str, np.ndarray]):
+    self._arrays = arrays
+
+  def keys(self):
+    return self._arrays.keys()
+
+  def get_tensor(self, name: str) -> np.ndarray:
+    return self._arrays[name]
+
+  def get_slice(self, name: str) -> "_ArraySlice":
+    return _ArraySlice(self._arrays[name], self._CODES.get(self._arrays[name].dtype.name, "?"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArraySlice:
+  array: np.ndarray
+  code: str
+
+  def get_shape(self) -> list[int]:
+    return list(self.array.shape)
+
+  def get_dtype(self) -> str:
+    return self.code
+
+  def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+    return self.array[index]
 
 
 def _load_array(reader: Reader, name: str, shape: tuple[int, ...], transpose: bool, dtype: Any,

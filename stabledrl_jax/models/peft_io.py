@@ -6,9 +6,15 @@ An adapter directory holds
   ``target_modules``, ``base_model_name_or_path`` (the Hub id or directory of the base model),
   ``lora_dropout`` and PEFT's other fields at the values our adapters mean (no bias, no rsLoRA,
   no DoRA);
-* ``adapter_model.safetensors``: for each adapted module N of the official modeling code
-  (``model.transformer.blocks.0.q_proj``), ``base_model.model.N.lora_A.weight`` [r, in] and
-  ``base_model.model.N.lora_B.weight`` [out, r]: the transposes of our A [in, r] and B [r, out].
+* ``adapter_model.safetensors`` (or an older peft's ``adapter_model.bin``, a PyTorch state dict
+  read with ``torch.load(weights_only=True)`` where torch is installed): for each adapted module
+  N of the official modeling code (``model.transformer.blocks.0.q_proj``),
+  ``base_model.model.N.lora_A.weight`` [r, in] and ``base_model.model.N.lora_B.weight``
+  [out, r]: the transposes of our A [in, r] and B [r, out].
+
+A tensor is applied only where ``target_modules`` and ``exclude_modules`` select its module, as
+peft selects them (``selects``); a tensor for a module they do not select is refused in one line
+(peft would load it and leave it unused).
 
 ``save_adapter`` writes one for a model with adapters (``models.lora``), ``load_adapter`` gives a
 model the adapters of one, and ``from_pretrained`` reads the base that ``adapter_config.json``
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -30,14 +37,15 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from stabledrl_jax import hub, input_files, workdir_files
-from stabledrl_jax.models import hf_io, lora as lora_lib
+from stabledrl_jax.models import family as family_lib, hf_io, lora as lora_lib
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+TORCH_WEIGHTS_FILE = "adapter_model.bin"  # peft before safetensors; read only where no WEIGHTS_FILE.
 PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # The files of an adapter repository on the Hub.
-FILES = (CONFIG_FILE, WEIGHTS_FILE)
+FILES = (CONFIG_FILE, WEIGHTS_FILE, TORCH_WEIGHTS_FILE)
 # PEFT's LoraConfig fields whose value must be the one our adapters mean ("falsy": unset).
 _MUST_BE = {"peft_type": "LORA", "bias": "none", "use_rslora": False, "use_dora": False,
             "fan_in_fan_out": False, "lora_bias": False}
@@ -78,10 +86,86 @@ def read_config(path: str) -> dict[str, Any]:
   return config
 
 
+def _module_names(config: dict[str, Any], field: str) -> str | list[str] | None:
+  """``target_modules`` or ``exclude_modules``: None, a regular expression (a string), or a
+  list of names; ValueError naming the file's field otherwise."""
+  value = config.get(field)
+  if value is None or value == []:
+    return None
+  if isinstance(value, str):
+    if value != "all-linear":
+      try:
+        re.compile(value)
+      except re.error as error:
+        raise ValueError(f"{CONFIG_FILE}: {field}: {value!r} is no regular expression ({error})"
+                         ) from None
+    return value
+  if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+    return value
+  raise ValueError(f"{CONFIG_FILE}: {field}: {value!r}; a list of module names or a regular "
+                   "expression")
+
+
+def selects(config: dict[str, Any], module: str) -> bool:
+  """Whether an adapter config selects ``module`` (``model.transformer.blocks.0.q_proj``), as
+  peft does (``peft.tuners.tuners_utils.check_target_module_exists``): not when
+  ``exclude_modules`` holds it (a regular expression matching it whole, or a list with the name
+  or a dotted suffix of it); else when ``target_modules`` is a regular expression matching it
+  whole, is "all-linear" (every projection), or is a list with its name or a dotted suffix of
+  it. Without target_modules peft picks its defaults for the model type: every module is
+  taken."""
+  def listed(names: str | list[str], full: bool) -> bool:
+    if isinstance(names, str):
+      return full or re.fullmatch(names, module) is not None
+    return module in names or any(module.endswith("." + name) for name in names)
+
+  exclude = _module_names(config, "exclude_modules")
+  if exclude is not None and listed(exclude, full=False):
+    return False
+  target = _module_names(config, "target_modules")
+  return target is None or listed(target, full=target == "all-linear")
+
+
+def open_weights(path: str, stack: contextlib.ExitStack) -> hf_io.Reader:
+  """The tensors of adapter directory ``path``: ``adapter_model.safetensors``, else
+  ``adapter_model.bin`` through ``torch.load(weights_only=True)`` (no pickled code runs).
+
+  Raises:
+    FileNotFoundError: neither file is there; hf_io.CheckpointError: the .bin cannot be read
+    (torch missing: what to install), or is not a state dict of tensors.
+  """
+  torch_file = os.path.join(path, TORCH_WEIGHTS_FILE)
+  if os.path.exists(os.path.join(path, WEIGHTS_FILE)) or not os.path.exists(torch_file):
+    if not os.path.exists(os.path.join(path, WEIGHTS_FILE)):
+      raise FileNotFoundError(f"{path} has neither {WEIGHTS_FILE} nor {TORCH_WEIGHTS_FILE}: no "
+                              "adapter weights")
+    return hf_io.Reader(path, stack, single=WEIGHTS_FILE)
+  workdir_files.regular_file(torch_file, "adapter weights", error=hf_io.CheckpointError)
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise hf_io.CheckpointError(
+        f"{torch_file}: a PyTorch file, which needs torch to read (pip install torch, the CPU "
+        f"build is enough), or convert it to {WEIGHTS_FILE}") from None
+  try:
+    state = torch.load(torch_file, map_location="cpu", weights_only=True)
+  except Exception as error:  # pylint: disable=broad-except  (torch's unpickler raises many)
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise hf_io.CheckpointError(f"{torch_file} cannot be read as a PyTorch state dict: "
+                                f"{message[:300]}") from None
+  if not (isinstance(state, dict) and all(
+      isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
+    raise hf_io.CheckpointError(f"{torch_file} is not a state dict (tensor name -> tensor)")
+  arrays = {name: (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+            for name, value in state.items()}
+  return hf_io.Reader.of_arrays(arrays, torch_file)
+
+
 def adapted_modules(path: str, reader: hf_io.Reader) -> list[str]:
-  """The module names ``path``'s tensors adapt, each with both its lora_A and lora_B."""
-  file = os.path.join(path, WEIGHTS_FILE)
+  """The module names ``path``'s tensors adapt, each with both its lora_A and lora_B, each
+  selected by its config's target_modules and exclude_modules (``selects``)."""
   names = reader.names()
+  file = reader.file(min(names)) if names else os.path.join(path, WEIGHTS_FILE)
   for name in sorted(names):
     if not (name.startswith(PREFIX) and name.endswith((_A, _B))):
       raise hf_io.CheckpointError(f"{file}: tensor {name!r} is no LoRA weight "
@@ -95,6 +179,15 @@ def adapted_modules(path: str, reader: hf_io.Reader) -> list[str]:
                                   f"{PREFIX}{lone[0]}{other}")
   if not names:
     raise hf_io.CheckpointError(f"{file} holds no LoRA weights")
+  config = read_config(path)
+  unselected = [m for m in sorted(halves[_A]) if not selects(config, m)]
+  if unselected:
+    fields = {f: config.get(f) for f in ("target_modules", "exclude_modules") if config.get(f)}
+    raise hf_io.CheckpointError(
+        f"{file}: tensors for {unselected[0]!r}"
+        f"{f' (and {len(unselected) - 1} more modules)' if len(unselected) > 1 else ''}, which "
+        f"{CONFIG_FILE}'s {' and '.join(f'{k} {v!r}' for k, v in fields.items())} does not "
+        "select: peft would not apply them")
   return sorted(halves[_A])
 
 
@@ -110,15 +203,16 @@ def load_adapter(model: nnx.Module, path: str, *, mesh: jax.sharding.Mesh | None
   input_files.check(path, "directory", what="adapter")
   config = read_config(path)
   with contextlib.ExitStack() as stack:
-    reader = hf_io.Reader(path, stack, single=WEIGHTS_FILE)
-    modules = adapted_modules(path, reader)
+    tensors = open_weights(path, stack)
+    modules = adapted_modules(path, tensors)
     known = lora_lib.projections(model)
     unknown = [m for m in modules if m not in known]
     if unknown:
       raise hf_io.CheckpointError(
-          f"{os.path.join(path, WEIGHTS_FILE)}: {unknown[0]!r} is no projection of this "
-          f"{model.config.__class__.__name__} (its are named like {next(iter(known))!r}); is "
-          f"{config['base_model_name_or_path']!r} its base?")
+          f"{tensors.file(PREFIX + unknown[0] + _A)}: {unknown[0]!r} is no projection of the "
+          f"{family_lib.of(model.config).name} model (its projections: "
+          f"{', '.join(sorted({m.rsplit('.', 1)[-1] for m in known}))}, named like "
+          f"{next(iter(known))!r}); is {config['base_model_name_or_path']!r} its base?")
     spec = lora_lib.LoRASpec(rank=config["r"], alpha=float(config["lora_alpha"]),
                              targets=tuple(modules))
     lora_lib.add_adapters(model, spec, seed=seed, mesh=mesh)
@@ -126,11 +220,11 @@ def load_adapter(model: nnx.Module, path: str, *, mesh: jax.sharding.Mesh | None
       for suffix, variable in ((_A, adapter.a), (_B, adapter.b)):
         name = PREFIX + module + suffix
         want = tuple(variable.shape)[::-1]
-        got = reader.shape(name)
+        got = tensors.shape(name)
         if got != want:
-          raise hf_io.CheckpointError(f"{os.path.join(path, WEIGHTS_FILE)}: tensor {name!r} has "
+          raise hf_io.CheckpointError(f"{tensors.file(name)}: tensor {name!r} has "
                                       f"shape {got}, expected {want} (r={spec.rank})")
-        value = jnp.asarray(reader.read(name).T.astype(np.float32), variable.dtype)
+        value = jnp.asarray(tensors.read(name).T.astype(np.float32), variable.dtype)
         sharding = getattr(variable[...], "sharding", None)
         variable[...] = value if sharding is None else jax.device_put(value, sharding)
   return model

@@ -20,7 +20,7 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import hub, input_files, models, workdir_files
-from stabledrl_jax.models import hf_io, lora as lora_lib, peft_io
+from stabledrl_jax.models import lora as lora_lib, peft_io
 from stabledrl_jax.training.config import optimizer as optimizer_lib, run_spec as run_spec_lib
 from stabledrl_jax.training.config import specs
 from stabledrl_jax.training.inputs import data
@@ -134,8 +134,7 @@ def check_checkpoint(config: ml_collections.ConfigDict, tokenizer, model_config:
     local = hub.local_path(config.model.checkpoint, files=peft_io.FILES,
                            download=config.model.download)
     with contextlib.ExitStack() as stack:
-      modules = peft_io.adapted_modules(
-          local, hf_io.Reader(local, stack, single=peft_io.WEIGHTS_FILE))
+      modules = peft_io.adapted_modules(local, peft_io.open_weights(local, stack))
   family = models.family.of(model_config)
   abstract = nnx.eval_shape(lambda: family.model_cls(model_config, rngs=nnx.Rngs(0)))
   rank = adapter["r"]
