@@ -325,6 +325,7 @@ class Options:
   output_dir: str
   gen_lengths: Sequence[int] = (128, 256, 512)
   step: int | None = None
+  lora_base: str = ""
   steps: int = _DECODING["steps"]
   block_length: int | None = None  # None: the family's official (Family.eval_decoding), or d1's
   temperature: float = _DECODING["temperature"]
@@ -465,7 +466,8 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   if hub.is_hub_id(options.checkpoint):  # Its config.json alone first: before any weight fetch.
     hub_config = models.load_config(options.checkpoint, dtype=dtype, param_dtype=dtype)
     _check_decoding(decoding_settings(options, hub_config), hub_config, options.checkpoint)
-  source = checkpoint_source.resolve(options.checkpoint, options.step)
+  source = checkpoint_source.resolve(options.checkpoint, options.step,
+                                     lora_base=options.lora_base)
   model_config = checkpoint_source.model_config(source, dtype=dtype)
   settings = decoding_settings(options, model_config)
   _check_decoding(settings, model_config, source.path)  # No weight is read yet.
@@ -565,6 +567,8 @@ def define_flags() -> None:
                     "Generation lengths, each a multiple of the block length, at most the "
                     "model's positions (config.json's max_position_embeddings).")
   flags.DEFINE_integer("step", None, "Checkpoint step of a workdir (default: the latest).")
+  flags.DEFINE_string("lora_base", defaults.lora_base, "A PEFT adapter's base model (a Hub id or "
+                      "directory) in place of the one its adapter_config.json names.")
   flags.DEFINE_integer("steps", defaults.steps, "Denoising steps (0: gen_length / 2, d1's).")
   flags.DEFINE_integer("block_length", defaults.block_length, "Semi-autoregressive block size "
                        "(default: the model family's official evaluation: 32 for LLaDA, d1's; "

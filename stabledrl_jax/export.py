@@ -10,8 +10,9 @@ latest or ``--step`` checkpoint; its config.json gives the architecture) or any 
 
 A model with LoRA adapters (``model.lora.rank`` > 0, or a PEFT adapter) gets, by default, a PEFT
 adapter directory (``models.peft_io``): ``adapter_config.json`` (r, lora_alpha, target_modules,
-lora_dropout, and ``base_model_name_or_path``: the run's ``model.checkpoint``, or its supervised
-start ``<workdir>/sft_model``) and ``adapter_model.safetensors`` in PEFT's tensor names for the
+lora_dropout, and ``base_model_name_or_path``: the run's ``model.checkpoint`` (an adapter's: its
+base, or the run's ``model.lora.base``), or its supervised start ``<workdir>/sft_model``; a PEFT
+adapter exported as one names ``--lora_base`` where given) and ``adapter_model.safetensors`` in PEFT's tensor names for the
 official modeling code; ``peft``'s ``PeftModel.from_pretrained`` and our loaders read it on that
 base. ``--merge`` writes the merged Hugging Face checkpoint instead (W + (alpha / r) A B in each
 adapted kernel), as does every model without adapters:
@@ -102,8 +103,8 @@ def check_output(output: str, *, overwrite: bool = False) -> None:
 
 
 def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "float32",
-           max_shard_bytes: int = 5 * 10**9, overwrite: bool = False, merge: bool = False
-           ) -> list[str]:
+           max_shard_bytes: int = 5 * 10**9, overwrite: bool = False, merge: bool = False,
+           lora_base: str = "") -> list[str]:
   """Writes the PEFT adapter (a model with adapters, unless ``merge``) or the Hugging Face
   checkpoint of ``workdir`` (or ``step``) to ``output``.
 
@@ -133,7 +134,7 @@ def export(workdir: str, output: str, *, step: int | None = None, dtype: str = "
   from stabledrl_jax.training.parallel import (  # pylint: disable=g-import-not-at-top
       mesh as mesh_lib)
 
-  source = checkpoint_source.resolve(workdir, step)
+  source = checkpoint_source.resolve(workdir, step, lora_base=lora_base)
   if os.path.abspath(output) == os.path.abspath(source.path):
     raise ValueError(f"--output {output!r} is the checkpoint being exported")
   mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
@@ -189,13 +190,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--merge", action="store_true",
                       help="a LoRA model: write the merged Hugging Face checkpoint instead of its "
                       "PEFT adapter")
+  parser.add_argument("--lora_base", default="",
+                      help="a PEFT adapter's base model (a Hub id or directory) in place of the "
+                      "one its adapter_config.json names; the export names it")
   parser.add_argument("--overwrite", action="store_true",
                       help="replace a non-empty --output (written aside, then swapped in)")
   args = parser.parse_args(argv)
   try:
     copied = export(args.workdir, args.output, step=args.step, dtype=args.dtype,
                     max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite,
-                    merge=args.merge)
+                    merge=args.merge, lora_base=args.lora_base)
   except (ValueError, FileNotFoundError, NotImplementedError) as error:
     parser.error(str(error))
   print(f"wrote {args.output}"

@@ -478,3 +478,42 @@ def test_a_lora_run_from_a_fresh_model_exports_merged_only(tmp_path):
   assert not (tmp_path / "adapter").exists()
   export.export(str(tmp_path / "run"), str(tmp_path / "merged"), merge=True)
   assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+def test_a_lora_base_replaces_the_one_an_adapter_names(tmp_path):
+  """An adapter written on its authors' machine names their directory as its base:
+  ``model.lora.base`` (training), ``--lora_base`` (evaluate, export) point it at another, with
+  the same model as the adapter on that base; set where there is no adapter, it is one line."""
+  from stabledrl_jax.training.config import specs  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  base, _ = _base(tmp_path, "llada")
+  path = str(tmp_path / "adapter")
+  model = _with_trained_adapters(models.from_pretrained(base), ("q_proj",))
+  tokens = _tokens(model)
+  want = np.asarray(model(tokens))
+  peft_io.save_adapter(model, path, base=str(tmp_path / "authors" / "llada"))
+  with pytest.raises((FileNotFoundError, ValueError), match="authors/llada"):
+    models.from_pretrained(path)
+  np.testing.assert_allclose(np.asarray(models.from_pretrained(path, lora_base=base)(tokens)),
+                             want, rtol=1e-5, atol=1e-5)
+  # Training: the base's config is what the up-front checks read.
+  config = tiny_config(**{"model.checkpoint": path, "model.lora.base": base})
+  assert build.checkpoint_config(config) == models.load_config(base)
+  with pytest.raises(ValueError, match=r"^config\.model\.lora\.base: .* but model\.checkpoint .* "
+                     r"is no adapter \(it has no adapter_config\.json\)$"):
+    build.checkpoint_config(tiny_config(**{"model.checkpoint": base, "model.lora.base": base}))
+  with pytest.raises(ValueError, match=r"^config\.model\.lora\.base: .* which is empty$"):
+    specs.validate(tiny_config(**{"model.lora.base": base}))
+  # Evaluate and export: --lora_base.
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)))
+  source = checkpoint_source.resolve(path, lora_base=base)
+  loaded = checkpoint_source.load_model(source, mesh=mesh, dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(loaded(tokens)), want, rtol=1e-5, atol=1e-5)
+  assert export.main(["--workdir", path, "--output", str(tmp_path / "out"),
+                      "--lora_base", base]) == 0
+  record = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+  assert record["base_model_name_or_path"] == base
+  with pytest.raises(ValueError, match=r"^--lora_base .* replaces a PEFT adapter's base, and "
+                     r".* is a Hugging Face checkpoint, with no base$"):
+    checkpoint_source.resolve(base, lora_base=base)

@@ -61,14 +61,16 @@ def param_bytes(config, dtype=jnp.bfloat16) -> int:
   return count_params(config) * jnp.dtype(dtype).itemsize
 
 
-def from_pretrained(path: str, **kwargs) -> nnx.Module:
+def from_pretrained(path: str, *, lora_base: str | None = None, **kwargs) -> nnx.Module:
   """A model of a registered family (by config.json's model_type) from a checkpoint directory
   or Hugging Face Hub id (``hf_io.from_pretrained``, where ``kwargs`` are described), or a PEFT
-  LoRA adapter's: its base with its adapters on it (``peft_io.from_pretrained``)."""
+  LoRA adapter's: its base (``lora_base`` where given, else the one it names) with its adapters
+  on it (``peft_io.from_pretrained``)."""
   local = hub.local_path(path)
   input_files.check(local, "directory", what="checkpoint")
   if peft_io.is_adapter_dir(local):
-    return peft_io.from_pretrained(local, **kwargs)
+    return peft_io.from_pretrained(local, base=lora_base, **kwargs)
+  peft_io.unwrapped(local, lora_base)  # A base to replace, but no adapter: one line.
   return hf_io.from_pretrained(local, **kwargs)
 
 

@@ -41,7 +41,8 @@ from stabledrl_jax.models import family as family_lib, hf_io, lora as lora_lib
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-TORCH_WEIGHTS_FILE = "adapter_model.bin"  # peft before safetensors; read only where no WEIGHTS_FILE.
+# An older peft's weights, read only where there is no WEIGHTS_FILE.
+TORCH_WEIGHTS_FILE = "adapter_model.bin"
 PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # The files of an adapter repository on the Hub.
@@ -230,22 +231,38 @@ def load_adapter(model: nnx.Module, path: str, *, mesh: jax.sharding.Mesh | None
   return model
 
 
-def unwrapped(checkpoint: str) -> str:
-  """A checkpoint path or Hub id, or the base it names if it is a PEFT adapter."""
+def base_of(path: str, base: str | None = None) -> str:
+  """The base model of adapter directory ``path``: ``base`` where given (a Hub id or directory
+  that replaces the one the adapter names, ``model.lora.base`` / ``--lora_base``: an adapter
+  written on its authors' machine names their local directory), else its
+  ``base_model_name_or_path``."""
+  return base or read_config(path)["base_model_name_or_path"]
+
+
+def unwrapped(checkpoint: str, base: str | None = None) -> str:
+  """A checkpoint path or Hub id, or the base it names (``base_of``) if it is a PEFT adapter.
+
+  Raises:
+    ValueError: ``base`` is given and ``checkpoint`` is not an adapter.
+  """
   local = hub.local_path(checkpoint, files=(hf_io.CONFIG_FILE,) + FILES)
   if is_adapter_dir(local):
-    return read_config(local)["base_model_name_or_path"]
+    return base_of(local, base)
+  if base:
+    raise ValueError(f"a LoRA base ({base!r}) replaces a PEFT adapter's, but {checkpoint!r} is "
+                     "no adapter (it has no adapter_config.json)")
   return checkpoint
 
 
-def from_pretrained(path: str, **kwargs) -> nnx.Module:
-  """The base model that the adapter directory (or Hub id) ``path`` names, with the adapter on it.
+def from_pretrained(path: str, *, base: str | None = None, **kwargs) -> nnx.Module:
+  """The base model that the adapter directory (or Hub id) ``path`` names (or ``base``:
+  ``base_of``), with the adapter on it.
 
   ``kwargs`` go to ``models.from_pretrained`` for the base (dtype, mesh, config fields).
   """
   local = hub.local_path(path, files=FILES)
   input_files.check(local, "directory", what="adapter")
-  base = read_config(local)["base_model_name_or_path"]
+  base = base_of(local, base)
   if base == path or os.path.abspath(base) == os.path.abspath(local):
     raise ValueError(f"{os.path.join(local, CONFIG_FILE)}: base_model_name_or_path names the "
                      "adapter itself")

@@ -103,9 +103,10 @@ def _model_section() -> ml_collections.ConfigDict:
       # is alpha / r; targets: the official modules to adapt, comma-separated, matched as PEFT
       # matches target_modules (the default: the four of d1's list that LLaDA has); dropout:
       # PEFT's lora_dropout on the adapters' input, in the differentiated pass only; base_dtype:
-      # how the frozen base is stored.
+      # how the frozen base is stored; base: a Hub id or directory that replaces the base a PEFT
+      # adapter in model.checkpoint names (its base_model_name_or_path; '' keeps it).
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,up_proj",
-                                          dropout=0.0, base_dtype="bfloat16")),
+                                          dropout=0.0, base_dtype="bfloat16", base="")),
   ))
 
 def _task_section() -> ml_collections.ConfigDict:

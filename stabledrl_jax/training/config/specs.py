@@ -346,6 +346,9 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Famil
   lora = config.model.lora
   _require(lora.base_dtype in LORA_BASE_DTYPES, "model.lora.base_dtype",
            f"{lora.base_dtype!r} is not one of {LORA_BASE_DTYPES}")
+  _require(not lora.get("base") or config.model.checkpoint, "model.lora.base",
+           f"{lora.get('base')!r} replaces the base of a PEFT adapter in model.checkpoint, which "
+           "is empty")
   if config.model.checkpoint:  # Its targets are checked when it is loaded.
     return family, None
   _require(config.model.name in family.config_names, "model.name",

@@ -62,6 +62,8 @@ class CheckpointSource:
       supervised start ``sft_model``); else None. Prompts, tokenizer and synthetic test sets
       follow it.
     config_file: the file ``config`` was read from ('' for none).
+    lora_base: a PEFT adapter's base in place of the one it names (``--lora_base``; '' keeps
+      it). A LoRA workdir's run records its own (``model.lora.base``).
   """
 
   kind: str
@@ -69,6 +71,7 @@ class CheckpointSource:
   step: int | None = None
   config: ml_collections.ConfigDict | None = None
   config_file: str = ""
+  lora_base: str = ""
 
   @property
   def name(self) -> str:
@@ -164,18 +167,30 @@ def export_record(source: "CheckpointSource") -> dict[str, Any] | None:
           "config": json.loads(source.config.to_json_best_effort())}
 
 
-def resolve(path: str, step: int | None = None) -> CheckpointSource:
+def resolve(path: str, step: int | None = None, *, lora_base: str = "") -> CheckpointSource:
   """Which kind of checkpoint ``path`` is, and which step of a workdir to read.
 
   Args:
     path: a training workdir, a Hugging Face checkpoint directory or a Hub id.
     step: a workdir's checkpoint step (None: the latest).
+    lora_base: a PEFT adapter's base in place of its ``base_model_name_or_path`` (a Hub id or a
+      directory); only for an adapter.
 
   Raises:
     FileNotFoundError: ``path`` does not exist.
-    ValueError: ``path`` is neither kind, the workdir has no (such) step, or ``step`` was given
-      for a Hugging Face directory.
+    ValueError: ``path`` is neither kind, the workdir has no (such) step, ``step`` was given
+      for a Hugging Face directory, or ``lora_base`` for what is no adapter.
   """
+  source = _resolve(path, step)
+  if lora_base and source.kind != PEFT:
+    what = ("a training workdir, whose run records its own base" if source.kind == WORKDIR
+            else "a Hugging Face checkpoint, with no base")
+    raise ValueError(f"--lora_base {lora_base!r} replaces a PEFT adapter's base, and "
+                     f"{source.path} is {what}")
+  return dataclasses.replace(source, lora_base=lora_base)
+
+
+def _resolve(path: str, step: int | None) -> CheckpointSource:
   path = hub.local_path(path)  # A Hub id: its snapshot in the Hub cache.
   if not epath.Path(path).exists():
     raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -274,7 +289,7 @@ def model_dir(source: CheckpointSource) -> str:
   """The Hugging Face directory (or Hub id) of ``source``'s architecture: its own, or a PEFT
   adapter's base."""
   if source.kind == PEFT:
-    return peft_io.read_config(source.path)["base_model_name_or_path"]
+    return peft_io.base_of(source.path, source.lora_base)
   return source.path
 
 
@@ -298,15 +313,21 @@ def adapter_base(source: CheckpointSource) -> str | None:
     return None
   start = source.config.model.checkpoint
   if start:
-    start = peft_io.unwrapped(start)
+    start = peft_io.unwrapped(start, _recorded_base(source.config))
     return start if hub.is_hub_id(start) else os.path.abspath(start)
   sft = os.path.join(source.path, supervised.SFT_DIR)
   return sft if is_huggingface_dir(sft) else None
 
 
+def _recorded_base(config: ml_collections.ConfigDict) -> str | None:
+  """The base a run put in place of its adapter checkpoint's (``model.lora.base``), if any."""
+  return config.model.get("lora", {}).get("base") or None
+
+
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
-    start = hub.local_path(peft_io.unwrapped(config.model.checkpoint), files=(hf_io.CONFIG_FILE,))
+    start = hub.local_path(peft_io.unwrapped(config.model.checkpoint, _recorded_base(config)),
+                           files=(hf_io.CONFIG_FILE,))
     if not os.path.isfile(os.path.join(start, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
                        f"{hf_io.CONFIG_FILE} gives the architecture, does not exist here")
@@ -327,7 +348,8 @@ def _base_model(source: CheckpointSource, model_config: Any, dtype: Any, mesh) -
   where = lora_base.source(source.config, source.path)
   if where == "init":
     return models.init_model(model_config, seed=source.config.seed, mesh=mesh)
-  return models.from_pretrained(where, dtype=dtype, mesh=mesh)
+  return models.from_pretrained(where, dtype=dtype, mesh=mesh,
+                                lora_base=_recorded_base(source.config))
 
 
 def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> Any:
@@ -336,7 +358,8 @@ def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any)
   if source.kind == HUGGING_FACE:
     return models.from_pretrained(source.path, dtype=dtype, mesh=mesh)
   if source.kind == PEFT:
-    return peft_io.from_pretrained(source.path, dtype=dtype, mesh=mesh)
+    return peft_io.from_pretrained(source.path, base=source.lora_base or None, dtype=dtype,
+                                   mesh=mesh)
   config = source.config
   model_config = _workdir_model_config(config, dtype)
   abstract = nnx.eval_shape(lambda: build.with_lora(

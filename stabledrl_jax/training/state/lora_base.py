@@ -93,7 +93,8 @@ def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict
                        "seed": config.seed}, sort_keys=True)
     mark = hashlib.sha256(text.encode()).hexdigest()
   else:
-    base = peft_io.unwrapped(where)  # A PEFT adapter: its base.
+    # A PEFT adapter: its base (or the one model.lora.base puts in its place).
+    base = peft_io.unwrapped(where, config.model.get("lora", {}).get("base") or None)
     mark = fingerprint_dir(hub.local_path(base))
   return {"source": recorded_source(where, workdir), "base_dtype": config.model.lora.base_dtype,
           "fingerprint": mark}

@@ -44,7 +44,8 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh) -> nnx.Modul
     return models.init_model(model_config, seed=config.seed, mesh=mesh)
   with input_files.named("config.model.checkpoint"):
     path = hub.local_path(config.model.checkpoint, download=config.model.download)
-    model = models.from_pretrained(path, mesh=mesh, **_load_options(config))
+    model = models.from_pretrained(path, mesh=mesh, lora_base=config.model.lora.get("base") or None,
+                                   **_load_options(config))
   try:
     data.check_tokenizer(model.config, tokenizer)
   except ValueError as error:
@@ -100,9 +101,16 @@ def checkpoint_config(config: ml_collections.ConfigDict) -> Any:
     path = hub.local_path(config.model.checkpoint, files=_CONFIG_FILES,
                           download=config.model.download)
     input_files.check(path, "directory", what="checkpoint")
-    if peft_io.is_adapter_dir(path):
-      path = hub.local_path(peft_io.read_config(path)["base_model_name_or_path"],
-                            files=_CONFIG_FILES, download=config.model.download)
+    adapter = peft_io.is_adapter_dir(path)
+  base = config.model.lora.get("base")
+  if base and not adapter:
+    raise ValueError(f"config.model.lora.base: {base!r} replaces a PEFT adapter's base, but "
+                     f"model.checkpoint {config.model.checkpoint!r} is no adapter (it has no "
+                     f"{peft_io.CONFIG_FILE})")
+  with input_files.named("config.model.lora.base" if base else "config.model.checkpoint"):
+    if adapter:
+      path = hub.local_path(peft_io.base_of(path, base), files=_CONFIG_FILES,
+                            download=config.model.download)
     return models.load_config(path)
 
 
