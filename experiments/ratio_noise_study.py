@@ -136,8 +136,10 @@ def collapse(history: list[dict], *, eval_margin: float, reward_margin: float,
   """The first sign of collapse in a run's history (see the module docstring), or None: the
   trainer's collapse guard's rule (``training/loop/collapse.py``), one skipped update enough."""
   # pylint: disable-next=g-import-not-at-top
+  from stabledrl_jax.training.config import run_spec
+  # pylint: disable-next=g-import-not-at-top
   from stabledrl_jax.training.loop import collapse as collapse_lib
-  return collapse_lib.first_collapse(history, collapse_lib.Rules(
+  return collapse_lib.first_collapse(history, run_spec.Rules(
       eval_margin=eval_margin, reward_margin=reward_margin, window=window, max_skipped=1))
 
 

@@ -31,7 +31,7 @@ import ml_collections
 from flax import nnx
 
 from stabledrl_jax import libtpu_env, models, profiling
-from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.config import run_spec, specs
 from stabledrl_jax.training.parallel import mesh as mesh_lib
 from stabledrl_jax.training.step import build, decoding as decoding_lib, rl_step
 
@@ -142,13 +142,13 @@ def compile_train_step(config: ml_collections.ConfigDict, devices, *,
                              programs={name: m["total"] for name, m in memories.items()})
 
 
-def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> decoding_lib.Decoding:
+def rollout_decoding(config: ml_collections.ConfigDict, **overrides) -> run_spec.Decoding:
   """The trainer's rollout sampler settings (``specs.resolve_rollout``; overrides: cache,
   remasking, ...)."""
   return specs.resolve_rollout(config).sampling.with_options(**overrides)
 
 
-def compile_decode(config: ml_collections.ConfigDict, devices, settings: decoding_lib.Decoding,
+def compile_decode(config: ml_collections.ConfigDict, devices, settings: run_spec.Decoding,
                    *, rows: int | None = None, what: str = "decode", model: Any = None) -> Result:
   """The model's sampler (``decoding.generate``) with ``settings`` on ``devices``, for ``rows``
   prompts of ``rollout.prompt_length`` (default: the rollout batch, P x G), split as the trainer

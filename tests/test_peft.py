@@ -404,17 +404,17 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
   # model.checkpoint = the adapter: rank 0 trains its merged weights; the same LoRA settings
   # train the adapter on; others are one line.
   start = {"model.checkpoint": str(out), "sft.num_steps": 0, "train.num_steps": 0}
-  full = build.build_model(tiny_config(**start), run.tokenizer, run.mesh)
+  full = build.build_model(tiny_config(**start), run.inputs.tokenizer, run.mesh)
   assert not lora.has_adapters(full)
   np.testing.assert_allclose(np.asarray(full(tokens)), trained, rtol=1e-4, atol=1e-4)
   on = build.build_model(tiny_config(**start, **{"model.lora.rank": 4,
                                                    "model.lora.alpha": 8.0}),
-                           run.tokenizer, run.mesh)
+                           run.inputs.tokenizer, run.mesh)
   assert lora.has_adapters(on)
   np.testing.assert_allclose(np.asarray(on(tokens)), trained, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match=r"^config\.model\.lora: rank=8, alpha=16, targets=.* do "
                      r"not describe the adapter model\.checkpoint=.* \(r=4, lora_alpha=8, "):
-    build.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.tokenizer, run.mesh)
+    build.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.inputs.tokenizer, run.mesh)
   # The checkpoints hold the adapters; a base that changed since is refused, naming both.
   file = workdir / supervised.SFT_DIR / "model.safetensors"
   tensors = load_file(str(file))

@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from stabledrl_jax import models, objectives, scoring
-from stabledrl_jax.training.config import specs
+from stabledrl_jax.training.config import run_spec, specs
 from stabledrl_jax.training.loop import metrics_writer, run_build, trainer
 from stabledrl_jax.training.state import checkpointing, supervised
 from stabledrl_jax.training.step import build
@@ -633,7 +633,7 @@ def test_orbax_closed_loop_noise_is_dropped_and_nothing_else(tmp_path, monkeypat
 
 def test_the_collapse_rule_is_the_studys():
   from stabledrl_jax.training.loop import collapse  # pylint: disable=g-import-not-at-top
-  rules = collapse.Rules(eval_margin=2.0, reward_margin=0.02, window=2, max_skipped=3)
+  rules = run_spec.Rules(eval_margin=2.0, reward_margin=0.02, window=2, max_skipped=3)
   rising_then_falling = [{"step": 0, "eval/accuracy": 10.0}] + [
       {"step": s, "rewards/correctness": 0.5, "skipped_steps": 0} for s in range(1, 6)] + [
       {"step": 2, "eval/accuracy": 13.0}, {"step": 4, "eval/accuracy": 7.5}]

@@ -11,7 +11,7 @@ import pytest
 
 from stabledrl_jax import models
 from stabledrl_jax.models import family as family_lib
-from stabledrl_jax.training.config import optimizer as optimizer_lib, specs
+from stabledrl_jax.training.config import optimizer as optimizer_lib, run_spec, specs
 from stabledrl_jax.training.loop import collapse, trainer
 from stabledrl_jax.training.step import build, rl_step
 
@@ -98,9 +98,9 @@ def test_a_second_run_of_the_same_shape_traces_nothing(tmp_path, sft_start):
 
 
 def _guard(**rules):
-  return collapse.Guard(collapse.GuardSettings(
+  return collapse.Guard(run_spec.GuardSettings(
       enabled=True, action="restore", lr_factor=0.5, max_restores=1,
-      rules=collapse.Rules(eval_margin=2.0, reward_margin=0.02, window=100, **rules)))
+      rules=run_spec.Rules(eval_margin=2.0, reward_margin=0.02, window=100, **rules)))
 
 
 def test_the_guard_decides_and_reads_no_file():
@@ -130,7 +130,7 @@ def test_the_guard_decides_and_reads_no_file():
 def test_a_resumed_guard_counts_its_events_and_goes_on_only_when_told():
   stop = {"action": "stop", "step": 3, "why": "x", "detected_at": 3}
   restore = {"action": "restore", "step": 2, "lr_scale": 0.5, "restored_step": 1}
-  settings = collapse.GuardSettings(enabled=True)
+  settings = run_spec.GuardSettings(enabled=True)
   kept = collapse.Guard.resume(settings, saved=[restore, stop], written=[], start_step=3)
   assert kept.stopped == stop and kept.lr_scale == 0.5 and kept.went_on_at is None
   on = collapse.Guard.resume(dataclasses.replace(settings, go_on=True), saved=[restore, stop],

@@ -509,6 +509,7 @@ import sys
 import jax, jax.numpy as jnp, ml_collections, numpy as np
 from flax import nnx
 from stabledrl_jax import models
+from stabledrl_jax.training.config import run_spec
 from stabledrl_jax.training.parallel import mesh as mesh_lib, multihost
 from stabledrl_jax.training.step import decoding
 devices = int(sys.argv[1])

@@ -20,8 +20,7 @@ pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from stabledrl_jax import libtpu_env, tpu_compile
-from stabledrl_jax.training.config import config_lib
-from stabledrl_jax.training.step import decoding as decoding_lib
+from stabledrl_jax.training.config import config_lib, run_spec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"llada": "quickstart", "sdar": "sdar_tiny_quickstart"}
@@ -111,7 +110,7 @@ def test_auto_leaves_the_cached_calls_of_a_narrow_head_to_xla(v5e_2x2, family, c
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_evaluation_decode(v5e_2x2, family):
   config = tiny(family)
-  result = tpu_compile.compile_decode(config, v5e_2x2, decoding_lib.Decoding.of_eval(config),
+  result = tpu_compile.compile_decode(config, v5e_2x2, run_spec.Decoding.of_eval(config),
                                       rows=config.eval.batch_size, what="eval")
   check(result, splash=family == "llada")
 

@@ -182,7 +182,7 @@ def test_config_files_import_neither_jax_nor_flax():
   """Loading every config (as --help, a sweep or a notebook does) stays light: the schema is
   ml_collections only; what a run derives from it lives in training/config/specs.py."""
   script = ("import sys\n"
-            "from stabledrl_jax.training import config_lib\n"
+            "from stabledrl_jax.training.config import config_lib\n"
             "for name in config_lib.config_names():\n"
             "  config_lib.get(name)\n"
             "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'numpy') if m in sys.modules)\n"

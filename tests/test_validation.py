@@ -555,7 +555,7 @@ def test_a_missing_or_broken_config_file_is_named(tmp_path):
   with pytest.raises(ValueError, match=rf"^--config {broken}: get_config\(\) raised NameError"):
     cli_flags.check_config_flags(["--config", str(broken)])
   with_arg = tmp_path / "with_arg.py"
-  with_arg.write_text("from stabledrl_jax.training import config_lib\n"
+  with_arg.write_text("from stabledrl_jax.training.config import config_lib\n"
                       "def get_config(arg):\n  c = config_lib.base_config()\n"
                       "  c.task.name = arg\n  return c\n")
   cli_flags.check_config_flags([f"--config={with_arg}:countdown", "--config.task.name=x"])
