@@ -419,6 +419,26 @@ def _check_positions(gen_length: int, model_config: Any) -> None:
                      f"{family.name} model is made for; use at most {limit}")
 
 
+def _prompt_style(options: Options, source: checkpoint_source.CheckpointSource,
+                  tokenizer: Any) -> PromptStyle:
+  """The prompts' style: the options', else those the workdir trained on, else d1's (the
+  task's instruction, d1's template)."""
+  with_instruction = options.with_instruction
+  if with_instruction is None:
+    with_instruction = (source.config.task.with_instruction if source.config is not None
+                        else True)
+  template = options.prompt_style
+  if template is None:
+    template = (source.config.task.get("prompt_style", tasks.DEFAULT_PROMPT_STYLE)
+                if source.config is not None else tasks.DEFAULT_PROMPT_STYLE)
+  if template not in tasks.PROMPT_STYLES:
+    raise ValueError(f"--prompt_style {template!r} is not one of {tasks.PROMPT_STYLES}")
+  prefix = options.assistant_prefix
+  if prefix is None:
+    prefix = default_assistant_prefix(tokenizer, template)
+  return PromptStyle(with_instruction, prefix, options.prompt_length, template)
+
+
 def run(options: Options) -> dict[str, scoring.SetupResult] | None:
   """Generates the missing shards of every task and length, then scores OUTPUT_DIR.
 
@@ -478,21 +498,7 @@ def run(options: Options) -> dict[str, scoring.SetupResult] | None:
                                    limit=options.limit, seed=options.seed,
                                    workdir_config=source.config) for name in names}
 
-  # A workdir's prompts are those it trained on; d1's carry the task's instruction.
-  with_instruction = options.with_instruction
-  if with_instruction is None:
-    with_instruction = (source.config.task.with_instruction if source.config is not None
-                        else True)
-  template = options.prompt_style
-  if template is None:
-    template = (source.config.task.get("prompt_style", tasks.DEFAULT_PROMPT_STYLE)
-                if source.config is not None else tasks.DEFAULT_PROMPT_STYLE)
-  if template not in tasks.PROMPT_STYLES:
-    raise ValueError(f"--prompt_style {template!r} is not one of {tasks.PROMPT_STYLES}")
-  prefix = options.assistant_prefix
-  if prefix is None:
-    prefix = default_assistant_prefix(tokenizer, template)
-  style = PromptStyle(with_instruction, prefix, options.prompt_length, template)
+  style = _prompt_style(options, source, tokenizer)
   # Each task's prompt layout, before any weight is read.
   styles = {name: block_aligned(style, tokenizer, tasks.get_task(name), test_sets[name],
                                 family_lib.block_size(model_config), settings)
