@@ -652,3 +652,27 @@ def test_the_loop_reads_the_record_not_the_config(tmp_path):
       "step.rl_loss", "loop.collapse", "step.decoding", "loop.metrics_writer", "loop.spikes",
       "loop.preemption")}
   assert not after & loop, sorted(after & loop)
+
+
+def test_time_split_tabulates_a_run_s_split_and_rewrites_the_doc(tmp_path):
+  """experiments/time_split.py: each part's mean over the RL steps after the first, its share
+  of the step, re-derived here; the doc's table replaced between its markers."""
+  records = [{"step": 0, "eval/accuracy": 50.0}]
+  for step in range(1, 4):
+    records.append({"step": step, "time/step_s": 2.0 * step, "time/rollout_s": 1.0 * step,
+                    "time/reward_s": 0.1, "time/likelihood_s": 0.2, "time/update_s": 0.5,
+                    "rollout/calls_per_completion": 20.0, "rollout/tokens_per_call": 2.0})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  doc = tmp_path / "performance.md"
+  doc.write_text("before\n<!-- time-split:begin -->\nstale\n<!-- time-split:end -->\nafter\n")
+  out = run_script("time_split.py", f"--workdir={tmp_path}", "--skip=1", f"--doc={doc}")
+  # Steps 2 and 3: step 5.0 s, rollout 2.5 s (50.0%), update 0.5 s (10.0%), the rest 1.7 s.
+  assert "Mean over 2 RL steps: 5.00 s a step." in out.stdout
+  assert "| 2.500 | 50.0% |" in out.stdout and "| 0.500 | 10.0% |" in out.stdout
+  assert "| the rest (metrics, the step's bookkeeping) | 1.700 | 34.0% |" in out.stdout
+  assert "20.0 model calls per completion, 2.00 generated positions per call" in out.stdout
+  text = doc.read_text()
+  assert text.startswith("before\n<!-- time-split:begin -->\nMean over 2") and "stale" not in text
+  bad = run_script("time_split.py", f"--workdir={tmp_path}", "--skip=3", check=False)
+  assert bad.returncode == 2 and "has no RL step with the time split after the first 3" in (
+      bad.stderr)

@@ -58,6 +58,12 @@ def test_a_step_logs_trl_names_samples_and_wandb(tmp_path, sft_start, monkeypatc
     assert (record["completions/min_length"] <= record["completions/mean_length"]
             <= record["completions/max_length"] <= config.rollout.gen_length)
     assert record["perf/mfu"] == pytest.approx(record["perf/tflops_per_s"] / 1.0, rel=1e-6)
+    # The step's time split: each part measured apart, together within the step's time.
+    split = [record[f"time/{part}_s"] for part in ("rollout", "reward", "likelihood", "update")]
+    assert all(s > 0 for s in split) and sum(split) <= record["time/step_s"], record
+    assert record["rollout/tokens_per_call"] == pytest.approx(
+        config.rollout.gen_length / record["rollout/calls_per_completion"])
+    assert record["rollout/calls_per_completion"] == config.rollout.steps  # Exact: one a step.
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, 4)
   assert [h["learning_rate"] for h in history] == pytest.approx(
       [float(schedule(1)), float(schedule(3))])

@@ -657,7 +657,7 @@ def test_rollout_statistics_are_the_rows_columns_and_their_metrics():
           "frac_reward_zero_std": 2 / 3, "advantage/abs_mean": np.abs(rewards - 1).mean(),
           "completions/mean_length": lengths.mean(), "completions/min_length": 1,
           "completions/max_length": 9, "completions/clipped_ratio": 0.5,
-          "rollout/model_calls": calls.mean()}
+          "rollout/calls_per_completion": calls.mean()}
   assert set(got) == set(want)
   for name, value in want.items():
     np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)

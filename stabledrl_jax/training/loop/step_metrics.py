@@ -59,8 +59,7 @@ class StepLog:
     if out.kl_start is not None:
       metrics["kl_start/mean"] = float(out.kl_start)
     metrics.update(self._spike_metrics(step + 1, inner, per_sample, rollouts))
-    metrics.update(self._step_metrics(step, rollouts, out.num_scorings, state,
-                                      elapsed=time.perf_counter() - start))
+    metrics.update(self._step_metrics(step, out, state, elapsed=time.perf_counter() - start))
     return metrics
 
   def _spike_metrics(self, step: int, inner: list[dict[str, Any]],
@@ -78,9 +77,11 @@ class StepLog:
       out["spike/grad_norm_over_median"] = norm / median
     return out
 
-  def _step_metrics(self, step: int, rollouts: rollout_lib.Rollouts, num_scorings: int,
-                    state: train_step.TrainState, *, elapsed: float) -> dict[str, float]:
-    """The rollouts' statistics, the schedule, skips, time and throughput of step ``step``."""
+  def _step_metrics(self, step: int, out: rl_step_lib.StepOutputs, state: train_step.TrainState,
+                    *, elapsed: float) -> dict[str, float]:
+    """The rollouts' statistics, the schedule, skips, time (and its split: sampling, host
+    scoring, likelihood scoring, updates) and throughput of step ``step``."""
+    rollouts, num_scorings = out.rollouts, out.num_scorings
     r, num_iterations = self.parts.rollout, self.loop.num_iterations
     num_rows = self.split.num_rows
     length = r.prompt_length + r.gen_length
@@ -95,6 +96,11 @@ class StepLog:
         "learning_rate": float(self.parts.optimizer.lr_schedule(updates_done - 1)),
         "skipped_steps": int(state.skipped_steps),
         "time/step_s": elapsed, "time/rollout_s": rollouts.seconds,
+        "time/reward_s": rollouts.reward_seconds, "time/likelihood_s": out.likelihood_seconds,
+        "time/update_s": out.update_seconds,
+        # Generated positions per model call of the sampler (1 / step for exact decoding).
+        "rollout/tokens_per_call": r.gen_length / max(float(rollouts.stats.model_calls.mean()),
+                                                      1.0),
         "throughput/tokens_per_s": num_rows * r.gen_length / elapsed,
         "perf/tflops_per_s": flops / elapsed / 1e12,
         **({"perf/mfu": flops / elapsed / self.peak_flops} if self.peak_flops else {}),
@@ -140,3 +146,11 @@ def ratio_noise(variances: list[float]) -> dict[str, float]:
     return {}
   return {"ratio_noise/var_first": variances[0],
           "ratio_noise/share": min(1.0, variances[0] / variances[-1])}
+
+
+def progress_fields(metrics: dict[str, Any]) -> dict[str, str]:
+  """What the progress bar shows of a step: its mean reward, time, and the time's split
+  (rollout / reward / likelihood / update seconds)."""
+  parts = ("rollout", "reward", "likelihood", "update")
+  return {"reward": f"{metrics['rewards/mean']:.3f}", "step_s": f"{metrics['time/step_s']:.2f}",
+          "split_s": "/".join(f"{metrics[f'time/{part}_s']:.2f}" for part in parts)}

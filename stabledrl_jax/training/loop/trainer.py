@@ -26,7 +26,7 @@ from etils import epath
 from flax import nnx
 
 from stabledrl_jax import path_args
-from stabledrl_jax.training.loop import collapse, preemption, run_build
+from stabledrl_jax.training.loop import collapse, preemption, run_build, step_metrics
 from stabledrl_jax.training.parallel import multihost
 from stabledrl_jax.training.state import checkpointing, lora_base, supervised
 from stabledrl_jax.training.step import build, decoding, rl_step as rl_step_lib
@@ -200,8 +200,7 @@ class Trainer:
             self.writer.write_samples(done, self.samples)
         history.append({"step": done, **metrics})
         progress.update(1)
-        progress.set_postfix(reward=f"{metrics['rewards/mean']:.3f}",
-                             step_s=f"{metrics['time/step_s']:.2f}")
+        progress.set_postfix(step_metrics.progress_fields(metrics))
         if self.lock is not None:
           self.lock.touch()
         skips = int(self.state.consecutive_skips)

@@ -13,6 +13,7 @@ caller's: ``outputs`` holds the rollouts and each update's metrics on the device
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -62,12 +63,17 @@ class StepOutputs:
     num_scorings: scoring passes run per model (l_old and l_ref), for the FLOP count.
     kl_start: mean(l_old - l_start) in nats per sequence (``diagnostics.kl_to_start``), else
       None.
+    likelihood_seconds: wall time of the scoring passes (l_old, l_ref, kl_to_start's), until
+      their results are ready.
+    update_seconds: wall time of the updates, until the last one's results are ready.
   """
 
   rollouts: rollout_lib.Rollouts
   inner: list[dict[str, jax.Array]]
   num_scorings: int
   kl_start: jax.Array | None
+  likelihood_seconds: float = 0.0
+  update_seconds: float = 0.0
 
 
 def scoring(parts: build.Parts, run: run_spec.RunSpec):
@@ -138,6 +144,7 @@ def rl_step(parts: build.Parts, fns: StepFunctions, state: train_step.TrainState
   if run.uses_reference or fns.estimate_sequence is not None:
     start = fns.adapters_off(state.params) if run.lora else fns.start_params
 
+  scoring_start = time.perf_counter()
   # l_old and l_ref. Coupled (d1, ESPO): on each update's own masks, before any update.
   # Independent (StableDRL): once, on masks of their own, so that at the first update the
   # ratio is pure estimator noise.
@@ -153,6 +160,9 @@ def rl_step(parts: build.Parts, fns: StepFunctions, state: train_step.TrainState
     kl_start = _mean_sequence_gap(fns.estimate_sequence(state.params, batch, key_old),
                                   fns.estimate_sequence(start, batch, key_old),
                                   batch.completion_mask)
+  # Timed to their results (the updates wait for them anyway): the step's time split.
+  jax.block_until_ready((old, ref, kl_start))
+  update_start = time.perf_counter()
 
   inner = []
   for i, inner_key in enumerate(inner_keys):
@@ -162,13 +172,17 @@ def rl_step(parts: build.Parts, fns: StepFunctions, state: train_step.TrainState
       batch = batch.replace(ref_logp=ref[i])
     state, metrics = fns.update(state, batch, inner_key)
     inner.append(metrics)
+  jax.block_until_ready((state.params, inner))
+  update_end = time.perf_counter()
 
   state = state.replace(
       # A host value placed on the mesh: global on every process.
       step=jax.device_put(np.int32(int(state.step) + 1), parts.state_shardings.step),
       objective_state=fns.advance_objective_state(state.objective_state, inner))
   return state, StepOutputs(rollouts=rollouts, inner=inner, num_scorings=num_scorings,
-                            kl_start=kl_start)
+                            kl_start=kl_start,
+                            likelihood_seconds=update_start - scoring_start,
+                            update_seconds=update_end - update_start)
 
 
 _adapters_off = jax.jit(lora_lib.adapters_off)

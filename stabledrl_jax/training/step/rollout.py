@@ -65,7 +65,7 @@ class RolloutStats:
         "completions/min_length": float(self.lengths.min()),
         "completions/max_length": float(self.lengths.max()),
         "completions/clipped_ratio": float(self.truncated.mean()),
-        "rollout/model_calls": float(self.model_calls.mean()),
+        "rollout/calls_per_completion": float(self.model_calls.mean()),
     }
 
 
@@ -83,6 +83,7 @@ class Rollouts:
   stats: RolloutStats  # Every process's rows.
   samples: list[dict[str, Any]]  # Rollouts to log: {prompt, completion, reward}.
   seconds: float  # Drawing, encoding and sampling, wall time.
+  reward_seconds: float = 0.0  # Decoding the texts, scoring them on the host, the advantages.
 
 
 class RolloutCollector:
@@ -127,6 +128,7 @@ class RolloutCollector:
                                   num_rows=split.num_rows)
     seconds = time.perf_counter() - start
 
+    start = time.perf_counter()
     prompt_length = prompt_tokens.shape[1]
     texts = data.decode_completions(self.tokenizer, tokens[:, prompt_length:])
     components = self.scorer(texts, [examples[i // spec.group_size] for i in range(len(texts))])
@@ -135,6 +137,7 @@ class RolloutCollector:
     advantages = np.asarray(objectives.group_advantages(
         jnp.asarray(rewards), spec.group_size, scale_by_std=self.run.scale_advantages_by_std,
         baseline=self.run.baseline))
+    reward_seconds = time.perf_counter() - start
     stressed = None
     if spec.stress_fraction > 0:  # One selection for l_theta and l_old.
       stressed = np.asarray(estimators.stress_selection(
@@ -152,7 +155,8 @@ class RolloutCollector:
     batch = self.make_batch(tokens, prompt_mask, completion, advantages, stressed,
                             num_rows=split.num_rows)
     return Rollouts(batch=batch, tokens=tokens, advantages=advantages, stressed=stressed,
-                    stats=stats, samples=samples, seconds=seconds)
+                    stats=stats, samples=samples, seconds=seconds,
+                    reward_seconds=reward_seconds)
 
   def generate(self, params, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key, *,
                num_rows: int | None = None, **options) -> tuple[np.ndarray, np.ndarray]:
