@@ -33,7 +33,10 @@ def get_config(task: str = "countdown"):  # run_demo_dream.sh:1
   # float32 adapters and AdamW moments (bf16: true, :20, is autocast over float32 masters).
   c.model.update(family="dream", name="dream_7b", checkpoint="Dream-org/Dream-v0-Instruct-7B",
                  dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True)
-  c.model.lora.update(rank=128, alpha=64.0, dropout=0.05, base_dtype="bfloat16",
+  # Dropout in every pass: ESPO samples and scores l_old in train mode (espo_trainer.py:552, :618;
+  # config_lib.baseline_llada8b_config says why).
+  c.model.lora.update(rank=128, alpha=64.0, dropout=0.05, dropout_passes="every",
+                      base_dtype="bfloat16",
                       targets="q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,gate_proj")
   c.tokenizer.update(kind="dream", path="Dream-org/Dream-v0-Instruct-7B")  # :5
   c.task.update(name=task, with_instruction=True, prompt_style="d1", reward="d1",

@@ -352,3 +352,71 @@ def test_the_planned_sampler_of_a_lora_run_samples_with_its_stored_base():
                                         tpu_compile.rollout_decoding(config))
     sizes[rank, base] = result.memory["argument"]
   assert sizes[4, "int4"] < sizes[4, "bfloat16"] < sizes[0, "bfloat16"], sizes
+
+
+def test_lora_dropout_in_every_pass_perturbs_the_rollouts_and_l_old(tmp_path):
+  """model.lora.dropout_passes: 'update' (dropout in the differentiated pass only) samples and
+  scores l_old as the model without dropout; 'every' (the official trainers, in train mode)
+  gives other rollouts and another l_old under the same keys. The sampler's calls draw masks of
+  their own: the adapter's output under one key differs between two inputs beyond the inputs'
+  own difference."""
+  config = tiny_config(**{"sft.num_steps": 0, "model.lora.rank": 4, "model.lora.alpha": 8.0,
+                          "model.lora.dropout": 0.5, "rollout.temperature": 0.0})
+  run = trainer.Trainer(config, str(tmp_path))
+  try:
+    params = jax.tree.map(lambda x: x, run.state.params)
+    adapters, base = lora.split(params)
+    adapters = jax.tree_util.tree_map_with_path(  # B moved from zero: the adapters act.
+        lambda path, x: 0.5 * jax.random.normal(jax.random.key(len(str(path))), x.shape, x.dtype)
+        if getattr(path[-2], "key", None) == "b" else x, adapters)
+    params = lora.join(adapters, base)
+    collect, update_only = run.fns.collect, run.parts.run
+    assert not update_only.lora_dropout_every_pass and update_only.lora_dropout == 0.5
+    every = dataclasses.replace(update_only, lora_dropout_every_pass=True)
+    prompts = run.inputs.eval_prompts
+    tokens = np.repeat(prompts.tokens[:2], 4, axis=0)
+    mask = np.repeat(prompts.mask[:2], 4, axis=0)
+    key = jax.random.key(3)
+
+    def rollouts(spec):
+      collect.run = spec
+      return collect.generate(params, tokens, mask, key)[0]
+
+    plain = rollouts(update_only)
+    np.testing.assert_array_equal(rollouts(update_only), plain)  # Deterministic.
+    assert not np.array_equal(rollouts(every), plain)
+    batch = collect.make_batch(plain, mask, collect.completion_mask(plain),
+                               np.ones(len(plain), np.float32))
+    score = lambda spec: np.asarray(train_step.estimate_no_grad(
+        params, batch, key, graphdef=run.parts.graphdef, run=spec))
+    np.testing.assert_array_equal(score(update_only), score(update_only))
+    assert not np.allclose(score(every), score(update_only))
+  finally:
+    collect.run = run.parts.run
+    run.close()
+  adapter = lora.Adapter(8, 8, rank=2, scale=1.0, axes=(None, None), param_dtype=jnp.float32,
+                         key=jax.random.key(0))
+  adapter.b[...] = jnp.ones((2, 8))
+  adapter.dropout_rate, adapter.dropout_per_call = 0.5, True
+  adapter.dropout_key = lora.DropoutKey(jax.random.key_data(jax.random.key(1)))
+  x = jnp.ones((4, 8))
+  # The same input twice: the same masks; another input (x scaled): masks of its own.
+  np.testing.assert_array_equal(adapter(x, jnp.float32, jnp.float32),
+                                adapter(x, jnp.float32, jnp.float32))
+  assert not np.allclose(adapter(2 * x, jnp.float32, jnp.float32),
+                         2 * adapter(x, jnp.float32, jnp.float32))
+
+
+def test_the_baselines_apply_lora_dropout_in_every_pass_as_their_trainers():
+  """d1, SPG, wd1 and ESPO sample and score l_old with the model in train mode (HF Trainer's
+  training_step calls model.train() before TRL's _prepare_inputs generates; no .eval() in their
+  trainers): their configs default to 'every'; StableDRL's LoRA variant keeps 'update'."""
+  from stabledrl_jax.training.config import config_lib  # pylint: disable=g-import-not-at-top
+  for name in ("llada8b_d1", "llada8b_spg", "llada8b_wd1", "llada8b_espo", "dream7b_espo"):
+    config = config_lib.get(name)
+    assert config.model.lora.dropout_passes == "every", name
+    assert specs.resolve_run(config, specs.model_config(config)).lora_dropout_every_pass
+  assert config_lib.get("llada8b_stabledrl_lora").model.lora.dropout_passes == "update"
+  with pytest.raises(ValueError, match=r"^config\.model\.lora\.dropout_passes: 'all' is not one "
+                     r"of \('update', 'every'\)"):
+    specs.validate(tiny_config(**{"model.lora.dropout_passes": "all"}))

@@ -15,8 +15,13 @@ base model itself (the reference policy of KL terms: no second copy of the weigh
 
 LoRA dropout (PEFT's ``lora_dropout``: each adapter's input x, not the base's, dropped with rate p
 and scaled by 1 / (1 - p)) is drawn only where ``with_dropout(model, key, p)`` gave the adapters
-keys: the trainer does so in the forward pass that is differentiated, one key per microbatch.
-Rollouts, evaluation and the estimates under fixed parameters (l_old, the reference) run without.
+keys: the trainer does so in the forward pass that is differentiated, one key per microbatch,
+and, with ``model.lora.dropout_passes='every'`` (the official trainers' way: their rollouts and
+old log-probabilities run in train mode), in the rollouts' sampler and the l_old scoring too. A
+sampler calls the model many times under one key: there (``per_call``) each call's masks are
+keyed by the call's input as well, so that calls on different inputs (every denoising step's)
+draw different masks, as a PyTorch module in train mode does. Evaluation and the reference (the
+adapters off) run without.
 """
 
 from __future__ import annotations
@@ -74,11 +79,15 @@ class Adapter(nnx.Module):
     self.scale = scale
     self.dropout_rate = 0.0  # Set with dropout_key by `with_dropout`, in a traced copy only.
     self.dropout_key = nnx.data(None)
+    self.dropout_per_call = False  # The key folded with the call's input (a sampler's calls).
 
   def __call__(self, rows: Array, dtype: Any, out_dtype: Any) -> Array:
     if self.dropout_key is not None and self.dropout_rate > 0:
       keep = 1.0 - self.dropout_rate
       key = jax.random.wrap_key_data(self.dropout_key[...])
+      if self.dropout_per_call:  # The input's sum, bit for bit: one key per distinct call.
+        key = jax.random.fold_in(key, jax.lax.bitcast_convert_type(
+            jnp.sum(rows, dtype=jnp.float32), jnp.uint32))
       rows = jnp.where(jax.random.bernoulli(key, keep, rows.shape), rows / keep,
                        jnp.zeros((), rows.dtype)).astype(rows.dtype)
     low = jnp.dot(rows, self.a[...].astype(dtype), preferred_element_type=dtype)
@@ -170,14 +179,17 @@ class DropoutKey(nnx.Variable):
   saved; stacked across layers like one (``scan.scan_layers``)."""
 
 
-def with_dropout(model: nnx.Module, key: Array, rate: float) -> nnx.Module:
+def with_dropout(model: nnx.Module, key: Array, rate: float, *,
+                 per_call: bool = False) -> nnx.Module:
   """``model`` (in place; returned) with LoRA dropout of ``rate`` on every adapter, adapter i
-  drawing from ``fold_in(key, i)`` (a fresh mask per call of ``key``). Meant for the model
-  merged inside a traced loss; ``rate`` 0 changes nothing."""
+  drawing from ``fold_in(key, i)`` (a fresh mask per call of ``key``), and with ``per_call``
+  from that folded with each call's input (a sampler: many calls under one key). Meant for the
+  model merged inside a traced function; ``rate`` 0 changes nothing."""
   if rate <= 0:
     return model
   for i, adapter in enumerate(adapters_of(model).values()):
     adapter.dropout_rate = float(rate)
+    adapter.dropout_per_call = per_call
     adapter.dropout_key = DropoutKey(jax.random.key_data(jax.random.fold_in(key, i)))
   return model
 

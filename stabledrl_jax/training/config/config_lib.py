@@ -102,11 +102,14 @@ def _model_section() -> ml_collections.ConfigDict:
       # parameter trains (the default, as StableDRL's official code); alpha: the adapters' scale
       # is alpha / r; targets: the official modules to adapt, comma-separated, matched as PEFT
       # matches target_modules (the default: the four of d1's list that LLaDA has); dropout:
-      # PEFT's lora_dropout on the adapters' input, in the differentiated pass only; base_dtype:
-      # how the frozen base is stored; base: a Hub id or directory that replaces the base a PEFT
-      # adapter in model.checkpoint names (its base_model_name_or_path; '' keeps it).
+      # PEFT's lora_dropout on the adapters' input; dropout_passes: where it applies, 'update'
+      # (the differentiated pass only) or 'every' (the rollouts' sampler and l_old too, as the
+      # official trainers run them in train mode); base_dtype: how the frozen base is stored;
+      # base: a Hub id or directory that replaces the base a PEFT adapter in model.checkpoint
+      # names (its base_model_name_or_path; '' keeps it).
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,up_proj",
-                                          dropout=0.0, base_dtype="bfloat16", base="")),
+                                          dropout=0.0, dropout_passes="update",
+                                          base_dtype="bfloat16", base="")),
   ))
 
 def _task_section() -> ml_collections.ConfigDict:
@@ -486,7 +489,12 @@ def baseline_llada8b_config(objective: str, task: str) -> ml_collections.ConfigD
   c = llada8b_config(task, learning_rate=recipe["learning_rate"])
   c.objective.name = objective
   c.objective[objective].update(recipe["hparams"].get(task, {}))
-  c.model.lora.update(recipe["lora"], base_dtype=recipe["base_dtype"])
+  # LoRA dropout in every pass of the current policy: each trainer samples and scores l_old
+  # with the model in train mode (transformers' Trainer.training_step calls model.train() before
+  # TRL's _prepare_inputs generates; none calls .eval(): d1 diffu_grpo_trainer.py:409 and :458,
+  # SPG spg_trainer.py:607 and :722, wd1 trainers/diffu_grpo_trainer.py:497 and :552, ESPO
+  # espo_trainer.py:552 and :618).
+  c.model.lora.update(recipe["lora"], base_dtype=recipe["base_dtype"], dropout_passes="every")
   c.optimizer.update(schedule="constant", weight_decay=recipe["weight_decay"], b1=0.9, b2=0.99,
                      grad_clip=0.2)
   c.train.num_iterations = recipe["mu"][task]

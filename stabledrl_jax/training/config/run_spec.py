@@ -221,6 +221,8 @@ class RunSpec:
     lora: only the LoRA adapters train (``models.lora``); the base is frozen and, with the
       adapters off, the reference policy.
     lora_dropout: LoRA dropout of the differentiated forward pass (``lora.with_dropout``).
+    lora_dropout_every_pass: the same dropout in the rollouts' sampler and the l_old scoring
+      (``model.lora.dropout_passes='every'``).
   """
 
   objective: str
@@ -236,6 +238,7 @@ class RunSpec:
   gradient_bound: bool = False
   lora: bool = False
   lora_dropout: float = 0.0
+  lora_dropout_every_pass: bool = False
 
   @property
   def registered(self) -> objectives.Objective:

@@ -333,6 +333,9 @@ def model_config(config: ml_collections.ConfigDict, tokenizer=None) -> Any:
 
 # How a LoRA run's frozen base is stored (model.lora.base_dtype).
 LORA_BASE_DTYPES = lora_lib.BASE_DTYPES
+# Where LoRA dropout applies (model.lora.dropout_passes): the update's pass, or every pass of
+# the current policy (the rollouts' sampler, l_old, the update).
+LORA_DROPOUT_PASSES = ("update", "every")
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Family, Any]:
@@ -346,6 +349,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> tuple[family_lib.Famil
   lora = config.model.lora
   _require(lora.base_dtype in LORA_BASE_DTYPES, "model.lora.base_dtype",
            f"{lora.base_dtype!r} is not one of {LORA_BASE_DTYPES}")
+  _require(lora.get("dropout_passes", "update") in LORA_DROPOUT_PASSES, "model.lora.dropout_passes",
+           f"{lora.get('dropout_passes')!r} is not one of {LORA_DROPOUT_PASSES}")
   _require(not lora.get("base") or config.model.checkpoint, "model.lora.base",
            f"{lora.get('base')!r} replaces the base of a PEFT adapter in model.checkpoint, which "
            "is empty")
@@ -727,7 +732,9 @@ def resolve_run(config: ml_collections.ConfigDict, model_config: Any) -> run_spe
       uses_reference=objective.uses_reference(hparams), baseline=advantage_baseline(config),
       scale_advantages_by_std=bool(config.objective.scale_advantages_by_std),
       gradient_bound=bool(config.train.gradient_bound), lora=bool(config.model.lora.rank),
-      lora_dropout=float(config.model.lora.dropout) if config.model.lora.rank else 0.0)
+      lora_dropout=float(config.model.lora.dropout) if config.model.lora.rank else 0.0,
+      lora_dropout_every_pass=bool(config.model.lora.rank and config.model.lora.dropout
+                                   and config.model.lora.get("dropout_passes") == "every"))
 
 
 def resolve_rollout(config: ml_collections.ConfigDict) -> run_spec.RolloutSpec:

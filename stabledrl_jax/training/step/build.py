@@ -339,7 +339,8 @@ def abstract_parts(config: ml_collections.ConfigDict, devices=None
   state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda p: train_step.create_train_state(
-          p, built.optimizer.tx, config.seed, built.run.initial_state(), lora=built.run.lora), params),
+          p, built.optimizer.tx, config.seed, built.run.initial_state(),
+          lora=built.run.lora), params),
       built.state_shardings)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=built.replicated)

@@ -92,8 +92,10 @@ def step_functions(parts: build.Parts, collect: rollout_lib.RolloutCollector, *,
   """The jitted functions of ``parts``' RL step (memoized on the parts: ``build.memoized``)."""
   run = parts.run
   # kl_start/mean is a sequence log-likelihood gap whatever the objective's normalization.
+  # Without dropout: the diagnostic compares two models, not two noisy passes.
   sequence = dataclasses.replace(run, likelihood=dataclasses.replace(run.likelihood,
-                                                                     normalize="sum"))
+                                                                     normalize="sum"),
+                                 lora_dropout_every_pass=False)
   advance = build.memoized(("advance", parts.signature[0]), lambda: jax.jit(
       lambda objective_state, inner: train_step.advance_objective_state(
           objective_state, inner, run=run),

@@ -23,11 +23,15 @@ import numpy as np
 from flax import nnx
 
 from stabledrl_jax import estimators, models, objectives
-from stabledrl_jax.models import sampler_lib
+from stabledrl_jax.models import lora as lora_lib, sampler_lib
 from stabledrl_jax.training.config import run_spec
 from stabledrl_jax.training.inputs import data, reward_pool
 from stabledrl_jax.training.parallel import multihost
 from stabledrl_jax.training.step import decoding, rl_loss
+
+# fold_in(rollout key, DROPOUT_STREAM): the rollouts' LoRA dropout masks
+# (model.lora.dropout_passes='every'), apart from the sampler's own noise.
+DROPOUT_STREAM = 0x5A3D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +176,12 @@ class RolloutCollector:
     chunk_rows = self.spec.chunk_rows  # rollout.microbatch_groups x group_size
     if split.num_rows % max(chunk_rows, 1):  # Not a rollout batch: one sampler call.
       chunk_rows = 0
-    return decoding.generate_rows(nnx.merge(self.graphdef, params), prompt_tokens, prompt_mask,
-                                  key, settings, mesh=self.mesh, split=split,
-                                  chunk_rows=chunk_rows)
+    model = nnx.merge(self.graphdef, params)
+    if self.run.lora_dropout_every_pass:  # The official trainers sample in train mode.
+      model = lora_lib.with_dropout(model, jax.random.fold_in(key, DROPOUT_STREAM),
+                                    self.run.lora_dropout, per_call=True)
+    return decoding.generate_rows(model, prompt_tokens, prompt_mask, key, settings,
+                                  mesh=self.mesh, split=split, chunk_rows=chunk_rows)
 
   def completion_mask(self, tokens: np.ndarray) -> np.ndarray:
     """[B, G] bool: each rollout's completion tokens, up to and including its first stop."""

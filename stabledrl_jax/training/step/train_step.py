@@ -140,8 +140,11 @@ def _merge_microbatches(x: Array, num_microbatches: int, group_size: int) -> Arr
 
 
 PER_SAMPLE = "per_sample/"
-# fold_in(microbatch key, _DROPOUT_STREAM): the LoRA dropout masks, apart from the estimator's.
+# fold_in(microbatch key, _DROPOUT_STREAM): the LoRA dropout masks, apart from the estimator's;
+# l_old's (model.lora.dropout_passes='every') from a stream of their own, so that a coupled ratio
+# (l_old on the update's key) draws its dropout masks apart from the update's, as two passes do.
 _DROPOUT_STREAM = 0x10DA
+_OLD_DROPOUT_STREAM = 0x01DD
 
 
 def reduce_metrics(stacked: dict[str, Array]) -> dict[str, Array]:
@@ -351,6 +354,9 @@ def estimate_no_grad(params: Any, batch: rl_loss.RolloutBatch, key: Array, *, gr
   def one(inputs):
     mb, mb_key = inputs
     model = nnx.merge(graphdef, _in_loop(params, mb_key))
+    if run.lora_dropout_every_pass:  # As the official trainers score l_old: in train mode.
+      model = lora_lib.with_dropout(model, jax.random.fold_in(mb_key, _OLD_DROPOUT_STREAM),
+                                    run.lora_dropout)
     logp, _ = rl_loss.estimate(rl_loss.model_logits_fn(model, mb.attention_mask), mb, mb_key,
                                spec, stress_mode=stress_mode)
     return logp
