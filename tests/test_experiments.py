@@ -676,3 +676,40 @@ def test_time_split_tabulates_a_run_s_split_and_rewrites_the_doc(tmp_path):
   bad = run_script("time_split.py", f"--workdir={tmp_path}", "--skip=3", check=False)
   assert bad.returncode == 2 and "has no RL step with the time split after the first 3" in (
       bad.stderr)
+
+
+def test_every_published_record_is_whole_and_cited():
+  """Each baseline's published record has every setting for every task, each with a citation
+  naming a file of its repository (a path with a line or a file name)."""
+  from stabledrl_jax.training.config import published  # pylint: disable=g-import-not-at-top
+  for baseline in published.BASELINES:
+    for task in published.TASKS:
+      record = published.of(baseline, task)
+      assert published.fields(record) == list(published.FIELDS), (baseline, task)
+      for field, (value, where) in record.items():
+        assert value and re.search(r"[\w/.-]+\.(py|yaml|sh|sbatch)", where), (baseline, field)
+  with pytest.raises(ValueError, match=r"^espo's published runs have no 'code' task"):
+    published.of("espo", "code")
+
+
+def test_baseline_table_sets_the_matched_configs_beside_the_published_runs(tmp_path):
+  """experiments/baseline_table.py: the matched configs' values read from the configs (the
+  paper's batch for all four, each baseline's own mu), the published ones from the record; the
+  README's table and the doc's cited tables rewritten between their markers."""
+  from stabledrl_jax.training.config import config_lib, published  # pylint: disable=g-import-not-at-top
+  readme, doc = tmp_path / "README.md", tmp_path / "training.md"
+  readme.write_text("a\n<!-- baselines:begin -->\nstale\n<!-- baselines:end -->\nb\n")
+  doc.write_text("<!-- baselines-cited:begin -->\n<!-- baselines-cited:end -->\n")
+  out = run_script("baseline_table.py", "--task=countdown", f"--readme={readme}", f"--doc={doc}")
+  rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:]
+          for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+  config = config_lib.get("llada8b_d1:countdown")
+  assert rows["prompts x completions a step"][0] == (
+      f"{config.rollout.num_prompts} x {config.rollout.group_size}")
+  assert rows["updates per batch (mu)"][0] == "each one's published"
+  assert [v.strip(" |") for v in rows["clip epsilon"][1:]] == [
+      published.of(b, "countdown")["epsilon"][0] for b in published.BASELINES]
+  assert "stale" not in readme.read_text() and "| wd1 published |" in readme.read_text()
+  cited = doc.read_text()
+  assert all(f"{task}:" in cited for task in published.TASKS)
+  assert "`recipes/run_countdown_llada.sh:29` |" in cited  # ESPO's countdown epsilon 0.
