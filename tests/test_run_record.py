@@ -171,3 +171,27 @@ def test_dream_and_sdar_share_the_qwen_base():
   for family in ("dream", "sdar"):
     cls = family_lib.get(family).model_cls
     assert issubclass(cls, qwen.QwenModel) and issubclass(cls.layer_cls, qwen.QwenLayer)
+
+
+def test_a_failed_build_leaves_no_workdir_lock_nor_watchdog(tmp_path, monkeypatch):
+  """A build that fails after the workdir was claimed (``run_build.claimed``): the error comes
+  through, the directories it created are gone, no lock is left, the signal handlers are the
+  caller's again and the command line's watchdog thread (``hard_stop``) has ended."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  from stabledrl_jax.training.loop import run_build  # pylint: disable=g-import-not-at-top
+
+  def fail(*args, **kwargs):
+    raise RuntimeError("the build failed")
+
+  monkeypatch.setattr(run_build, "build_run", fail)
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  workdir = tmp_path / "new" / "run"
+  with pytest.raises(RuntimeError, match="^the build failed$"):
+    trainer.Trainer(tiny_config(), str(workdir), hard_stop=True)
+  assert not (tmp_path / "new").exists()
+  assert {s: signal.getsignal(s) for s in handlers} == handlers
+  for thread in threading.enumerate():
+    if thread.name == "stabledrl-interrupt-watchdog":
+      thread.join(timeout=10)
+      assert not thread.is_alive()

@@ -70,6 +70,10 @@ class Trainer:
       self.samples = []  # This step's sample rollouts, for the writer.
     except supervised.Stopped as stop:
       self.stopped = str(stop)
+    except BaseException:
+      self.lock = None  # Released by ``claimed``, with what the start made.
+      self.watcher.close()  # Its watchdog ends with the failed start.
+      raise
     finally:
       self.watcher.uninstall()
 
