@@ -4,15 +4,15 @@ r"""Evaluate a checkpoint: d1-protocol generations for each task and length, the
         --gen_lengths 128,256,512 --output_dir DIR
 
 PATH is a training workdir (its latest orbax checkpoint, or --step) or a Hugging Face checkpoint
-directory (see training/state/checkpoint_source.py). The prompt style, the tokenizer and
-synthetic test sets follow the checkpoint's training config (a workdir's config.json, the stabledrl_jax.json of
-an export): an export evaluates as its workdir. A checkpoint without one gets d1's prompts, and
-a line on stderr says what was guessed. For each task and generation length the test
-examples become left-padded prompts, decoded with d1's settings (steps = length / 2, blocks of
-32, greedy; each can be overridden) in batches split over the data axes of the mesh, and are
-written in d1's format to DIR/TASK_MODEL_GENLEN_STEPS_SHARD_generations.json, one file per shard
-of --shard_size examples. Then the table and JSON of the scoring CLI
-(`python -m stabledrl_jax.scoring DIR`) for every generation file in DIR.
+directory (see training/state/checkpoint_source.py). The prompt style, the tokenizer and synthetic
+test sets follow the checkpoint's training config (a workdir's config.json, the stabledrl_jax.json
+of an export): an export evaluates as its workdir. A checkpoint without one gets d1's prompts, and a
+line on stderr says what was guessed. For each task and generation length the test examples become
+left-padded prompts, decoded with d1's settings (steps = length / 2, blocks of 32, greedy; each can
+be overridden) in batches split over the data axes of the mesh, and are written in d1's format to
+DIR/TASK_MODEL_GENLEN_STEPS_SHARD_generations.json, one file per shard of --shard_size examples.
+Then the table and JSON of the scoring CLI (`python -m stabledrl_jax.scoring DIR`) for every
+generation file in DIR.
 
 Resuming: each shard file is written atomically once all its rows are decoded, so rerunning the
 same command skips the finished shards and starts at the first unfinished one. Row noise comes

@@ -12,10 +12,10 @@ A model with LoRA adapters (``model.lora.rank`` > 0, or a PEFT adapter) gets, by
 adapter directory (``models.peft_io``): ``adapter_config.json`` (r, lora_alpha, target_modules,
 lora_dropout, and ``base_model_name_or_path``: the run's ``model.checkpoint`` (an adapter's: its
 base, or the run's ``model.lora.base``), or its supervised start ``<workdir>/sft_model``; a PEFT
-adapter exported as one names ``--lora_base`` where given) and ``adapter_model.safetensors`` in PEFT's tensor names for the
-official modeling code; ``peft``'s ``PeftModel.from_pretrained`` and our loaders read it on that
-base. ``--merge`` writes the merged Hugging Face checkpoint instead (W + (alpha / r) A B in each
-adapted kernel), as does every model without adapters:
+adapter exported as one names ``--lora_base`` where given) and ``adapter_model.safetensors`` in
+PEFT's tensor names for the official modeling code; ``peft``'s ``PeftModel.from_pretrained`` and our
+loaders read it on that base. ``--merge`` writes the merged Hugging Face checkpoint instead (W +
+(alpha / r) A B in each adapted kernel), as does every model without adapters:
 
 * ``config.json`` (and ``generation_config.json`` for a chat model's stop tokens) in the keys of
   the family's official modeling code (``models/<family>/checkpoint.py``),

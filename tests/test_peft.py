@@ -414,7 +414,8 @@ def test_a_lora_run_exports_a_peft_adapter_on_its_start_and_trains_on_from_it(tm
   np.testing.assert_allclose(np.asarray(on(tokens)), trained, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match=r"^config\.model\.lora: rank=8, alpha=16, targets=.* do "
                      r"not describe the adapter model\.checkpoint=.* \(r=4, lora_alpha=8, "):
-    build.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.inputs.tokenizer, run.mesh)
+    build.build_model(tiny_config(**start, **{"model.lora.rank": 8}), run.inputs.tokenizer,
+                      run.mesh)
   # The checkpoints hold the adapters; a base that changed since is refused, naming both.
   file = workdir / supervised.SFT_DIR / "model.safetensors"
   tensors = load_file(str(file))

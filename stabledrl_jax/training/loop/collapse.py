@@ -224,7 +224,8 @@ class Guard:
   """
 
   def __init__(self, settings: run_spec_lib.GuardSettings,
-               events: Sequence[Mapping[str, Any]] = (), *, best: tuple[int, float | None] | None = None,
+               events: Sequence[Mapping[str, Any]] = (), *,
+               best: tuple[int, float | None] | None = None,
                trajectory: Trajectory | None = None):
     self.settings = settings
     self.events = [dict(e) for e in events]
@@ -239,7 +240,8 @@ class Guard:
 
   @classmethod
   def resume(cls, settings: run_spec_lib.GuardSettings, *,
-             saved: Sequence[Mapping[str, Any]] | None, written: Sequence[Mapping[str, Any]], start_step: int) -> Guard:
+             saved: Sequence[Mapping[str, Any]] | None, written: Sequence[Mapping[str, Any]],
+             start_step: int) -> Guard:
     """The guard of a run started (``saved`` = []) or resumed at ``start_step`` from a
     checkpoint whose meta holds the events ``saved`` (``events_on_resume``; ``written``: the
     events file's). A run the guard stopped stays stopped (``stopped``) unless

@@ -90,9 +90,9 @@ class Trainer:
     of every batch; the totals are summed over the processes."""
     return decoding.evaluate(
         nnx.merge(self.parts.graphdef, params), self.inputs.tokenizer, self.inputs.task,
-        self.inputs.eval_prompts, key, self.parts.rollout.evaluation.with_options(**options), mesh=self.mesh,
-        batch_size=self.loop.eval_batch_size, reward_scheme=self.resolved.data.reward,
-        split=self.rollouts.split)
+        self.inputs.eval_prompts, key, self.parts.rollout.evaluation.with_options(**options),
+        mesh=self.mesh, batch_size=self.loop.eval_batch_size,
+        reward_scheme=self.resolved.data.reward, split=self.rollouts.split)
 
   def rl_step(self, step: int) -> dict[str, Any]:
     """RL step ``step`` (``rl_step.rl_step``) on the next batch; its metrics, on the host."""
