@@ -156,6 +156,16 @@ def test_the_training_rooms_import_one_way():
               and TRAINING_ROOMS.index(parts[2]) > rank:
             wrong.append(f"{room}/{path.name} imports {name}")
   assert not wrong, wrong
+  # The old flat names point at their rooms (a config file importing one is told the new path).
+  import stabledrl_jax.training as training_package  # pylint: disable=g-import-not-at-top
+  layout = {path.stem: path.parent.name for room in TRAINING_ROOMS
+            for path in (training / room).glob("*.py") if path.stem != "__init__"}
+  moved = training_package._ROOM_OF  # pylint: disable=protected-access
+  assert {name: layout.get(name) for name in moved} == moved
+  with pytest.raises(ImportError, match=r"stabledrl_jax\.training\.config_lib is now "
+                     r"stabledrl_jax\.training\.config\.config_lib: import it as 'from "
+                     r"stabledrl_jax\.training\.config import config_lib'"):
+    from stabledrl_jax.training import config_lib  # pylint: disable=g-import-not-at-top,unused-import,reimported
 
 def test_the_wheel_holds_every_module_of_the_source_tree(wheel):
   names = set(zipfile.ZipFile(wheel).namelist())

@@ -21,3 +21,24 @@ is ``step/rollout.py``'s ``RolloutCollector``.
 Kept empty of imports (as ``config/__init__.py`` is) so that ``config_lib``, and with it
 ``--config NAME``, loads without jax.
 """
+
+# Where each module of the flat layout went (before the rooms): a config file or notebook that
+# still imports ``from stabledrl_jax.training import config_lib`` is told the new path.
+_ROOM_OF = {
+    "data": "inputs", "reward_pool": "inputs", "mesh": "parallel", "multihost": "parallel",
+    "config_lib": "config", "specs": "config", "run_spec": "config", "optimizer": "config",
+    "rl_loss": "step", "train_step": "step", "build": "step", "rl_step": "step",
+    "rollout": "step", "decoding": "step", "lora_base": "state", "checkpointing": "state",
+    "checkpoint_source": "state", "supervised": "state", "collapse": "loop", "spikes": "loop",
+    "step_metrics": "loop", "metrics_writer": "loop", "preemption": "loop", "run_build": "loop",
+    "trainer": "loop", "sweep": "loop",
+}
+
+
+def __getattr__(name: str):
+  if name in _ROOM_OF:
+    room = _ROOM_OF[name]
+    raise ImportError(f"stabledrl_jax.training.{name} is now stabledrl_jax.training.{room}."
+                      f"{name}: import it as 'from stabledrl_jax.training.{room} import {name}' "
+                      "(docs/training.md)")
+  raise AttributeError(f"module 'stabledrl_jax.training' has no attribute {name!r}")
