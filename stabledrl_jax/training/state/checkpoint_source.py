@@ -313,20 +313,15 @@ def adapter_base(source: CheckpointSource) -> str | None:
     return None
   start = source.config.model.checkpoint
   if start:
-    start = peft_io.unwrapped(start, _recorded_base(source.config))
+    start = peft_io.unwrapped(start, lora_base.replaced_base(source.config))
     return start if hub.is_hub_id(start) else os.path.abspath(start)
   sft = os.path.join(source.path, supervised.SFT_DIR)
   return sft if is_huggingface_dir(sft) else None
 
 
-def _recorded_base(config: ml_collections.ConfigDict) -> str | None:
-  """The base a run put in place of its adapter checkpoint's (``model.lora.base``), if any."""
-  return config.model.get("lora", {}).get("base") or None
-
-
 def _workdir_model_config(config: ml_collections.ConfigDict, dtype: Any) -> Any:
   if config.model.checkpoint:  # The run started from a Hugging Face checkpoint: its shapes.
-    start = hub.local_path(peft_io.unwrapped(config.model.checkpoint, _recorded_base(config)),
+    start = hub.local_path(peft_io.unwrapped(config.model.checkpoint, lora_base.replaced_base(config)),
                            files=(hf_io.CONFIG_FILE,))
     if not os.path.isfile(os.path.join(start, hf_io.CONFIG_FILE)):
       raise ValueError(f"the workdir's start checkpoint {config.model.checkpoint!r}, whose "
@@ -349,7 +344,7 @@ def _base_model(source: CheckpointSource, model_config: Any, dtype: Any, mesh) -
   if where == "init":
     return models.init_model(model_config, seed=source.config.seed, mesh=mesh)
   return models.from_pretrained(where, dtype=dtype, mesh=mesh,
-                                lora_base=_recorded_base(source.config))
+                                lora_base=lora_base.replaced_base(source.config))
 
 
 def load_model(source: CheckpointSource, *, mesh: jax.sharding.Mesh, dtype: Any) -> Any:

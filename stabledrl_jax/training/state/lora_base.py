@@ -44,6 +44,12 @@ def source(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> str:
   return "init"
 
 
+def replaced_base(config: ml_collections.ConfigDict) -> str | None:
+  """The base a run put in place of its PEFT adapter checkpoint's (``model.lora.base``; a
+  workdir of an older version has no such field), else None."""
+  return config.model.get("lora", {}).get("base") or None
+
+
 def fingerprint_dir(path: str) -> str:
   """SHA-256 over the safetensors files of a checkpoint directory: each file's name, size,
   header and first and last MiB (a fingerprint, not a hash of every byte: it reads a few MiB of
@@ -93,8 +99,7 @@ def identity(config: ml_collections.ConfigDict, workdir: epath.PathLike) -> dict
                        "seed": config.seed}, sort_keys=True)
     mark = hashlib.sha256(text.encode()).hexdigest()
   else:
-    # A PEFT adapter: its base (or the one model.lora.base puts in its place).
-    base = peft_io.unwrapped(where, config.model.get("lora", {}).get("base") or None)
+    base = peft_io.unwrapped(where, replaced_base(config))  # A PEFT adapter: its base.
     mark = fingerprint_dir(hub.local_path(base))
   return {"source": recorded_source(where, workdir), "base_dtype": config.model.lora.base_dtype,
           "fingerprint": mark}
